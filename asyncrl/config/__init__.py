@@ -1,0 +1,7 @@
+"""The config: typed schema, Hydra composition and up-front validation."""
+
+from asyncrl.config.compose import CONF_DIR, REPO_ROOT, compose, load_config
+from asyncrl.config.schema import Config
+from asyncrl.config.validate import ConfigError, validate
+
+__all__ = ["CONF_DIR", "REPO_ROOT", "Config", "ConfigError", "compose", "load_config", "validate"]

@@ -1,0 +1,184 @@
+"""The typed config schema: one dataclass per Hydra config group.
+
+The YAML files in `conf/` and each recipe's `config.yaml` fill these in; `validate()`
+(in `validate.py`) merges the composed Hydra config into them, so every key and type
+is checked, then checks the values. What the rest of asyncrl receives is a `Config`
+instance: plain dataclasses, picklable, safe to hand to actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class RunConfig:
+    name: str = "asyncrl"
+    seed: int = 0
+    # Where metrics, checkpoints and the exported policy go. Empty: Hydra's run dir.
+    output_dir: str = ""
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face checkpoint directory (config.json, safetensors, tokenizer files).
+    path: str = MISSING
+    # Tokenizer directory; empty means `path`.
+    tokenizer_path: str = ""
+
+
+@dataclass
+class TaskConfig:
+    """One reasoning-gym task: its generator name, mixing weight and generator settings."""
+
+    name: str = MISSING
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    source: str = "reasoning_gym"
+    tasks: list[TaskConfig] = field(default_factory=list)
+    train_size: int = 20000
+    heldout_size: int = 500
+    # Train and held-out problems come from different seeds; held-out questions that
+    # also occur in the train split are removed from the train split.
+    train_seed: int = 1
+    heldout_seed: int = 2
+    # `{question}` is replaced by the task's question text.
+    prompt_template: str = "{question}"
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    max_model_len: int = 256
+    max_num_seqs: int = 256
+    seed: int = 0
+    enforce_eager: bool = True
+    cpu_kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; vLLM-CPU fails to start without it
+    gpu_memory_utilization: float = 0.85
+    num_cpus_per_engine: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "megatron"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    micro_batch_size: int = 8  # trajectories per forward/backward on one data-parallel rank
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    total_steps: int = 100
+    checkpoint_every: int = 0  # 0: only at the end
+    num_cpus_per_rank: float = 1.0
+
+
+@dataclass
+class LossConfig:
+    # grpo: PPO-clip against the behaviour logprobs; decoupled_ppo: against recomputed
+    # proximal logprobs with a truncated behaviour weight; tis: truncated IS REINFORCE.
+    type: str = "grpo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    importance_cap: float = 5.0  # C: truncation of pi_prox / mu (decoupled_ppo, tis)
+    kl_coef: float = 0.0  # k3 KL to the reference policy; 0 disables the reference model
+    entropy_coef: float = 0.0
+    aggregation: str = "token"  # token | sequence
+    normalize_adv_std: bool = True
+    filter_uniform_groups: bool = True  # drop groups whose rewards are all equal
+
+
+@dataclass
+class AlgorithmConfig:
+    n_samples_per_prompt: int = 8
+    prompts_per_step: int = 32  # B
+    # eta: a token may be at most this many policy versions older than the trainer.
+    max_staleness: int = 1
+    sync_every_steps: int = 1  # weight sync every k trainer steps
+    partial_rollout: bool = True
+    pause_mode: str = "abort"  # abort | keep
+    loss: LossConfig = field(default_factory=LossConfig)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    max_concurrent_loops: int = 64
+    agent_loop: str = "partial_single_turn"
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    reward_timeout_s: float = 10.0
+    num_cpus_per_worker: float = 0.5
+
+
+@dataclass
+class ClusterConfig:
+    # Empty: start an embedded local Ray cluster; "auto": join the running one
+    # (what `ray job submit` does); or a "host:port" address.
+    address: str = ""
+    device: str = "cpu"  # cpu | cuda
+    num_cpus: Optional[int] = None  # embedded cluster only; None: all cores
+    num_gpus: int = 0
+    dashboard: bool = True
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "asyncrl"
+    entity: str = ""
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"
+    jsonl: bool = True
+    progress_bar: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 10  # 0: only before and after training
+    num_problems: int = 500  # taken from the held-out split
+    n_samples: int = 8  # for pass@k
+    pass_k: list[int] = field(default_factory=lambda: [1, 8])
+    temperature: float = 1.0
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    description: str = ""
+    # Python module holding the recipe's reward and data preparation (e.g. recipes.arith).
+    module: str = MISSING
+
+
+@dataclass
+class Config:
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

@@ -1,0 +1,217 @@
+"""Config validation: every key, type and value is checked before any actor starts.
+
+`validate(cfg)` merges a composed Hydra config into the typed schema (unknown keys and
+wrong types fail there), then checks the values, and raises one `ConfigError` listing
+every problem found — each naming the key, the value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from asyncrl.config.schema import Config
+
+ENGINE_BACKENDS = ("vllm",)
+TRAINER_BACKENDS = ("megatron",)
+DEVICES = ("cpu", "cuda")
+DATA_SOURCES = ("reasoning_gym",)
+LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
+PAUSE_MODES = ("abort", "keep")
+AGGREGATIONS = ("token", "sequence")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WANDB_MODES = ("offline", "online", "disabled")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """One or more invalid config values; the message lists them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
+
+
+def validate(cfg: DictConfig | dict[str, Any]) -> Config:
+    """Check a composed config and return it as a typed `Config`; raise `ConfigError` if invalid."""
+    problems: list[str] = []
+    typed = _merge_into_schema(cfg, problems)
+    if typed is None:
+        raise ConfigError(problems)
+    _check_values(typed, problems)
+    if problems:
+        raise ConfigError(problems)
+    return typed
+
+
+def _merge_into_schema(cfg: DictConfig | dict[str, Any], problems: list[str]) -> Config | None:
+    """Key and type checks, one section at a time so that all sections report."""
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(cfg)
+    schema = OmegaConf.structured(Config)
+    for key in cfg:
+        if key not in schema:
+            valid = ", ".join(schema.keys())
+            problems.append(f"{key}: unknown config section; valid sections are {valid}")
+            continue
+        try:
+            schema[key] = OmegaConf.merge(schema[key], cfg[key])
+        except OmegaConfBaseException as e:
+            problems.append(_describe_omegaconf_error(e, key))
+    if problems:
+        return None
+    try:
+        return OmegaConf.to_object(schema)
+    except MissingMandatoryValue as e:
+        problems.append(f"{e.full_key}: required but not set (give it on the command line: {e.full_key}=...)")
+    except OmegaConfBaseException as e:
+        problems.append(_describe_omegaconf_error(e, ""))
+    return None
+
+
+def _describe_omegaconf_error(e: OmegaConfBaseException, section: str) -> str:
+    full_key = getattr(e, "full_key", None) or section
+    if section and not full_key.startswith(section):
+        full_key = f"{section}.{full_key}"
+    msg = getattr(e, "msg", str(e)).splitlines()[0]
+    return f"{full_key}: {msg}"
+
+
+def _check_values(c: Config, problems: list[str]) -> None:
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {valid}")
+
+    def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
+        need(value in choices, key, value, f"must be one of {', '.join(choices)}")
+
+    def at_least(key: str, value: float, low: float, why: str = "") -> None:
+        need(value >= low, key, value, f"must be >= {low}" + (f" ({why})" if why else ""))
+
+    # model
+    _check_checkpoint_dir("model.path", c.model.path, problems)
+    if c.model.tokenizer_path:
+        _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
+
+    # data
+    one_of("data.source", c.data.source, DATA_SOURCES)
+    need(len(c.data.tasks) > 0, "data.tasks", [], "give at least one task, e.g. [{name: basic_arithmetic}]")
+    known_tasks = _reasoning_gym_task_names()
+    for i, task in enumerate(c.data.tasks):
+        need(
+            task.name in known_tasks,
+            f"data.tasks[{i}].name",
+            task.name,
+            "not a reasoning-gym task; e.g. basic_arithmetic, chain_sum, gsm_symbolic"
+            " (python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))' lists all)",
+        )
+        at_least(f"data.tasks[{i}].weight", task.weight, 0)
+    if c.data.tasks and all(t.weight >= 0 for t in c.data.tasks):
+        need(sum(t.weight for t in c.data.tasks) > 0, "data.tasks[*].weight", 0, "at least one weight must be > 0")
+    at_least("data.train_size", c.data.train_size, 1)
+    at_least("data.heldout_size", c.data.heldout_size, 1)
+    need("{question}" in c.data.prompt_template, "data.prompt_template", c.data.prompt_template,
+         "must contain the placeholder {question}")
+
+    # engine
+    one_of("engine.backend", c.engine.backend, ENGINE_BACKENDS)
+    one_of("engine.dtype", c.engine.dtype, DTYPES)
+    at_least("engine.num_engines", c.engine.num_engines, 1)
+    at_least("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1)
+    need(c.engine.max_model_len > c.rollout.max_new_tokens, "engine.max_model_len", c.engine.max_model_len,
+         f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
+    at_least("engine.max_num_seqs", c.engine.max_num_seqs, 1)
+    at_least("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, "vLLM-CPU needs a KV cache")
+    need(0 < c.engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
+         c.engine.gpu_memory_utilization, "must be in (0, 1]")
+    need(c.engine.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", c.engine.num_cpus_per_engine, "must be > 0")
+
+    # trainer
+    t = c.trainer
+    one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "micro_batch_size",
+                 "total_steps"):
+        at_least(f"trainer.{name}", getattr(t, name), 1)
+    need(t.lr > 0, "trainer.lr", t.lr, "must be > 0 (e.g. 1e-4)")
+    need(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
+    one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    at_least("trainer.warmup_steps", t.warmup_steps, 0)
+    at_least("trainer.weight_decay", t.weight_decay, 0)
+    at_least("trainer.grad_clip", t.grad_clip, 0, "0 disables clipping")
+    at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
+    need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
+
+    # algorithm
+    a = c.algorithm
+    need(a.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
+         "must be >= 2: group-relative advantages compare samples of the same prompt")
+    at_least("algorithm.prompts_per_step", a.prompts_per_step, 1)
+    at_least("algorithm.max_staleness", a.max_staleness, 0, "0 = synchronous on-policy")
+    at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
+    one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
+    samples = a.prompts_per_step * a.n_samples_per_prompt
+    per_micro_step = t.data_parallel_size * t.micro_batch_size
+    if samples >= 1 and per_micro_step >= 1:
+        need(samples % per_micro_step == 0, "trainer.micro_batch_size", t.micro_batch_size,
+             f"trainer.data_parallel_size={t.data_parallel_size} x trainer.micro_batch_size="
+             f"{t.micro_batch_size} = {per_micro_step} must divide the {samples} samples per step "
+             f"(algorithm.prompts_per_step={a.prompts_per_step} x algorithm.n_samples_per_prompt="
+             f"{a.n_samples_per_prompt}); valid micro batch sizes: "
+             f"{_divisors(samples // t.data_parallel_size) if samples % t.data_parallel_size == 0 else 'none'}")
+
+    loss = a.loss
+    one_of("algorithm.loss.type", loss.type, LOSS_TYPES)
+    need(0 <= loss.clip_eps_low < 1, "algorithm.loss.clip_eps_low", loss.clip_eps_low, "must be in [0, 1)")
+    at_least("algorithm.loss.clip_eps_high", loss.clip_eps_high, 0)
+    at_least("algorithm.loss.importance_cap", loss.importance_cap, 1)
+    at_least("algorithm.loss.kl_coef", loss.kl_coef, 0)
+    at_least("algorithm.loss.entropy_coef", loss.entropy_coef, 0)
+    one_of("algorithm.loss.aggregation", loss.aggregation, AGGREGATIONS)
+
+    # rollout
+    r = c.rollout
+    at_least("rollout.num_workers", r.num_workers, 1)
+    at_least("rollout.max_concurrent_loops", r.max_concurrent_loops, 1)
+    at_least("rollout.max_new_tokens", r.max_new_tokens, 1)
+    need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 for RL sampling")
+    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    need(r.reward_timeout_s > 0, "rollout.reward_timeout_s", r.reward_timeout_s, "must be > 0")
+    need(r.num_cpus_per_worker > 0, "rollout.num_cpus_per_worker", r.num_cpus_per_worker, "must be > 0")
+
+    # cluster, logging, eval
+    one_of("cluster.device", c.cluster.device, DEVICES)
+    at_least("cluster.num_gpus", c.cluster.num_gpus, 0)
+    if c.cluster.num_cpus is not None:
+        at_least("cluster.num_cpus", c.cluster.num_cpus, 1)
+    one_of("logging.level", c.logging.level, LOG_LEVELS)
+    one_of("logging.wandb.mode", c.logging.wandb.mode, WANDB_MODES)
+    at_least("eval.every_steps", c.eval.every_steps, 0, "0: only before and after training")
+    need(1 <= c.eval.num_problems <= c.data.heldout_size, "eval.num_problems", c.eval.num_problems,
+         f"must be in [1, data.heldout_size={c.data.heldout_size}]")
+    for i, k in enumerate(c.eval.pass_k):
+        need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
+    at_least("eval.temperature", c.eval.temperature, 0)
+
+
+def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:
+    if not os.path.isdir(path):
+        problems.append(f"{key}={path!r}: no such directory; give a Hugging Face checkpoint directory "
+                        "(config.json, safetensors, tokenizer files). The tiny base model is rebuilt by "
+                        "`python scripts/build_base_model.py`")
+    elif not os.path.isfile(os.path.join(path, marker)):
+        problems.append(f"{key}={path!r}: the directory has no {marker}; give a Hugging Face checkpoint directory")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _reasoning_gym_task_names() -> set[str]:
+    import reasoning_gym.factory  # imported here: it takes ~1 s and only validation needs it
+
+    return set(reasoning_gym.factory.DATASETS)

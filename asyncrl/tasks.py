@@ -1,0 +1,94 @@
+"""Offline task source: reasoning-gym generators as train and held-out problem splits.
+
+reasoning-gym generates problems procedurally from a seed and scores answers itself,
+so nothing is downloaded. A `TaskSource` mixes the configured tasks by weight; the
+held-out split comes from its own seed, and any train problem whose question also
+occurs in the held-out split is dropped, so held-out accuracy measures generalisation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import reasoning_gym
+
+from asyncrl.config.schema import DataConfig, TaskConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Problem:
+    """One task instance: the prompt text shown to the model and what scoring needs."""
+
+    prompt_id: str  # unique and stable: "<split>/<task>/<index>"
+    task: str
+    question: str
+    prompt: str  # the question formatted with the recipe's prompt template
+    answer: str
+    entry: dict[str, Any] = field(repr=False, default_factory=dict)  # reasoning-gym's item, for its scorer
+
+
+class TaskSource:
+    """The configured reasoning-gym tasks, split into train and held-out problems."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        # Scoring depends only on the task and its params, which every split shares.
+        self._scorers: dict[str, Any] = {}
+        self.heldout: list[Problem] = self._generate("heldout", cfg.heldout_seed, cfg.heldout_size)
+        self._heldout_questions = {p.question for p in self.heldout}
+        self.train: list[Problem] = self.generate_split("train", cfg.train_seed, cfg.train_size)
+
+    def generate_split(self, split: str, seed: int, size: int) -> list[Problem]:
+        """`size` problems from `seed`, with every question of the held-out split removed."""
+        problems = [p for p in self._generate(split, seed, size) if p.question not in self._heldout_questions]
+        if len(problems) < size:
+            logger.info("%s split: dropped %d problems that also occur in the held-out split",
+                        split, size - len(problems))
+        return problems
+
+    def score(self, problem: Problem, answer_text: str) -> float:
+        """The task's own scorer: 1.0 for a correct answer, 0.0 otherwise (some tasks give partial credit)."""
+        return float(self._scorers[problem.task].score_answer(answer_text.strip(), problem.entry))
+
+    def _generate(self, split: str, seed: int, size: int) -> list[Problem]:
+        problems: list[Problem] = []
+        for task, count in zip(self.cfg.tasks, _split_by_weight(size, self.cfg.tasks)):
+            if count == 0:
+                continue
+            # Each task gets its own seed so that adding a task does not change the others' problems.
+            task_seed = seed * 1_000_003 + _stable_hash(task.name)
+            dataset = reasoning_gym.create_dataset(task.name, size=count, seed=task_seed, **task.params)
+            self._scorers.setdefault(task.name, dataset)
+            for i, entry in enumerate(dataset):
+                problems.append(Problem(
+                    prompt_id=f"{split}/{task.name}/{i}",
+                    task=task.name,
+                    question=entry["question"],
+                    prompt=self.cfg.prompt_template.format(question=entry["question"]),
+                    answer=str(entry["answer"]),
+                    entry=entry,
+                ))
+        return problems
+
+
+def _split_by_weight(total: int, tasks: list[TaskConfig]) -> list[int]:
+    """Largest-remainder split of `total` problems over tasks in proportion to their weights."""
+    weight_sum = sum(t.weight for t in tasks)
+    exact = [total * t.weight / weight_sum for t in tasks]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(tasks)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _stable_hash(text: str) -> int:
+    """A hash that, unlike hash(), is the same in every process."""
+    h = 0
+    for ch in text.encode():
+        h = (h * 131 + ch) % 1_000_003
+    return h

