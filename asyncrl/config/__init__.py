@@ -2,6 +2,6 @@
 
 from asyncrl.config.compose import CONF_DIR, REPO_ROOT, compose, load_config
 from asyncrl.config.schema import Config
-from asyncrl.config.validate import ConfigError, validate
+from asyncrl.config.validate import ConfigError, validate, validate_or_exit
 
-__all__ = ["CONF_DIR", "REPO_ROOT", "Config", "ConfigError", "compose", "load_config", "validate"]
+__all__ = ["CONF_DIR", "REPO_ROOT", "Config", "ConfigError", "compose", "load_config", "validate", "validate_or_exit"]

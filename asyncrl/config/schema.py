@@ -9,7 +9,7 @@ instance: plain dataclasses, picklable, safe to hand to actors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -131,7 +131,7 @@ class ClusterConfig:
     # (what `ray job submit` does); or a "host:port" address.
     address: str = ""
     device: str = "cpu"  # cpu | cuda
-    num_cpus: Optional[int] = None  # embedded cluster only; None: all cores
+    num_cpus: int | None = None  # embedded cluster only; None: all cores
     num_gpus: int = 0
     dashboard: bool = True
 

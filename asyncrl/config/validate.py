@@ -8,6 +8,7 @@ every problem found — each naming the key, the value and what would be valid.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -215,3 +216,12 @@ def _reasoning_gym_task_names() -> set[str]:
     import reasoning_gym.factory  # imported here: it takes ~1 s and only validation needs it
 
     return set(reasoning_gym.factory.DATASETS)
+
+
+def validate_or_exit(cfg: DictConfig) -> Config:
+    """For CLI entry points: the typed config, or the problems on stderr and exit status 2."""
+    try:
+        return validate(cfg)
+    except ConfigError as e:
+        print(f"asyncrl: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

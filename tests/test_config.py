@@ -1,0 +1,119 @@
+"""Config composition and validation: shipped configs are valid; bad values fail clearly."""
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from asyncrl.config import CONF_DIR, Config, ConfigError, compose, load_config, validate
+from tests.conftest import REPO, run_cli
+
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+GROUP_OPTIONS = [
+    (group.name, option.stem)
+    for group in sorted(CONF_DIR.iterdir()) if group.is_dir() and group.name != "recipe"
+    for option in sorted(group.glob("*.yaml"))
+]
+
+
+def test_every_recipe_folder_is_a_recipe_option():
+    folders = sorted(p.parent.name for p in (REPO / "recipes").glob("*/config.yaml"))
+    assert folders == RECIPES
+    for name in RECIPES:
+        link = CONF_DIR / "recipe" / f"{name}.yaml"
+        assert link.resolve() == (REPO / "recipes" / name / "config.yaml").resolve()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_shipped_recipe_validates(recipe, base_model):
+    cfg = load_config([f"recipe={recipe}"])
+    assert isinstance(cfg, Config)
+    assert cfg.recipe.name == recipe
+    assert Path(cfg.model.path).is_dir()
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_group_option_validates_with_the_default_recipe(group, option, base_model):
+    load_config([f"{group}={option}"])
+
+
+def test_presets_set_what_they_promise(base_model):
+    sync = load_config(["algorithm=sync"])
+    assert sync.algorithm.max_staleness == 0 and not sync.algorithm.partial_rollout
+    decoupled = load_config(["algorithm=decoupled_ppo"])
+    assert decoupled.algorithm.loss.type == "decoupled_ppo"
+    assert decoupled.algorithm.n_samples_per_prompt == 8  # inherited from grpo
+    assert load_config(["engine=vllm_gpu"]).engine.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("algorithm.max_staleness=-1", ["algorithm.max_staleness=-1", ">= 0"]),
+    ("engine.backend=sglang", ["engine.backend='sglang'", "must be one of vllm"]),
+    ("trainer.backend=fsdp", ["trainer.backend='fsdp'", "megatron"]),
+    ("trainer.micro_batch_size=7", ["trainer.micro_batch_size=7", "must divide the 256 samples",
+                                    "valid micro batch sizes: [1, 2, 4, 8"]),
+    ("model.path=/no/such/model", ["model.path='/no/such/model'", "no such directory"]),
+    ("algorithm.n_samples_per_prompt=1", ["algorithm.n_samples_per_prompt=1", ">= 2"]),
+    ("algorithm.pause_mode=drop", ["algorithm.pause_mode='drop'", "abort, keep"]),
+    ("algorithm.loss.type=dpo", ["algorithm.loss.type='dpo'", "grpo, decoupled_ppo, tis"]),
+    ("rollout.temperature=0", ["rollout.temperature=0.0", "> 0"]),
+    ("rollout.max_new_tokens=500", ["engine.max_model_len=128", "rollout.max_new_tokens=500"]),
+    ("eval.num_problems=9999", ["eval.num_problems=9999", "data.heldout_size=500"]),
+    ("cluster.device=tpu", ["cluster.device='tpu'", "cpu, cuda"]),
+    ("data.tasks.0.name=no_such_task", ["data.tasks[0].name='no_such_task'", "not a reasoning-gym task"]),
+    ("data.prompt_template=hello", ["data.prompt_template='hello'", "{question}"]),
+])
+def test_bad_value_names_key_value_and_what_is_valid(override, expected, base_model):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert len(err.value.problems) == 1, err.value.problems
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_all_problems_are_reported_at_once(base_model):
+    with pytest.raises(ConfigError) as err:
+        load_config(["algorithm.max_staleness=-2", "engine.backend=x", "trainer.lr=0"])
+    assert len(err.value.problems) == 3
+    assert "3 problem(s)" in str(err.value)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("algorithm.max_staleness=abc", "algorithm.max_staleness"),  # wrong type
+    ("algorithm.max_stalness=1", "max_stalness"),  # unknown key (a typo)
+    ("recipe=no_such_recipe", "recipe/no_such_recipe"),
+])
+def test_hydra_rejects_wrong_types_unknown_keys_and_recipes(override, expected):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([override])
+    assert expected in str(err.value) + str(err.value.__cause__)
+
+
+def test_validate_reports_unknown_sections_and_missing_values():
+    with pytest.raises(ConfigError) as err:
+        validate({"recipe": {"name": "x", "module": "m"}, "model": {}, "trainers": {}})
+    assert any("trainers: unknown config section" in p for p in err.value.problems)
+    with pytest.raises(ConfigError, match=r"model.path: required but not set"):
+        validate({"recipe": {"name": "x", "module": "m"}})
+
+
+def test_cli_prints_the_resolved_config(tmp_path):
+    out = run_cli("train", "recipe=arith", "algorithm.max_staleness=3", "--cfg", "job", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "max_staleness: 3" in out.stdout and "name: arith" in out.stdout
+    assert not (tmp_path / "runs").exists()  # --cfg starts nothing
+
+
+def test_cli_rejects_a_bad_value_before_starting_anything(tmp_path, base_model):
+    out = run_cli("train", "recipe=arith", "algorithm.max_staleness=-1", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2
+    assert "algorithm.max_staleness=-1: must be >= 0" in out.stderr
+
+
+def test_cli_help_lists_the_config_groups(tmp_path):
+    out = run_cli("train", "--help", cwd=tmp_path, timeout=120)
+    assert out.returncode == 0
+    for group in ("engine", "trainer", "algorithm", "rollout", "cluster", "logging", "recipe"):
+        assert f"{group}:" in out.stdout
+    top = run_cli("--help", cwd=tmp_path)
+    assert "train" in top.stdout and "eval" in top.stdout
