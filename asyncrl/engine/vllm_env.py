@@ -18,6 +18,8 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
     # vLLM's usage statistics would try the network.
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    # vLLM's per-request INFO lines drown asyncrl's own progress; VLLM_LOGGING_LEVEL=INFO brings them back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if device == "cpu":
         # GiB of KV cache; unset, vLLM-CPU sizes it from the NUMA node and fails on small VMs.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
