@@ -194,8 +194,8 @@ def main() -> None:
     tokenizer.padding_side = "right"
     tokenizer.save_pretrained(out)
     info = {
-        "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step, "max_steps": args.max_steps,
-        "batch_size": args.batch_size, "lr": args.lr, "parameters": n_params,
+        "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step,
+        "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr, "parameters": n_params,
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},
         "heldout": {"size": len(heldout), "greedy": heldout_greedy, "pass@8": heldout_passk},
         "build_seconds": round(time.time() - t0, 1),
