@@ -16,6 +16,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass
+class SamplingSpec:
+    """What an agent loop asks of an engine for one generation request."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)  # stop strings, kept in the output
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests)
+
+
+@dataclass
+class GenerationResult:
+    """What an engine returns for one request: the sampled tokens, each with its logprob
+    and the policy version of the weights that produced it.
+
+    finish_reason: "stop" (EOS or a stop string), "length" (max_new_tokens or the
+    context), or "abort" (interrupted by `pause("abort")`: the tokens so far are kept).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    @property
+    def interrupted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
 class TrajectoryStatus(str, enum.Enum):
     """How a trajectory ended."""
 

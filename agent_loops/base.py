@@ -1,0 +1,91 @@
+"""What every agent loop shares: its inputs, its outcome, and how it stops early.
+
+A loop is started on a trajectory that holds only the prompt, or resumed from an
+`AgentLoopSnapshot`. It ends in one of two ways:
+  - finished: `LoopOutcome.trajectory` is complete (status ok / truncated / failed);
+  - interrupted: `LoopOutcome.snapshot` holds everything needed to continue, on any
+    worker and any engine. Interruption comes from the engine (`pause("abort")` ends
+    the in-flight request with finish_reason "abort") or from the worker setting
+    `interrupt` (checked before each state transition, so a running tool call
+    completes before the snapshot is taken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Any
+
+from asyncrl.engine.client import EngineClient
+from asyncrl.types import AgentLoopSnapshot, GenerationResult, SamplingSpec, Segment, Trajectory, TrajectoryStatus
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class LoopOutcome:
+    trajectory: Trajectory | None = None  # set when the loop finished
+    snapshot: AgentLoopSnapshot | None = None  # set when it was interrupted
+
+    @property
+    def finished(self) -> bool:
+        return self.trajectory is not None
+
+
+class AgentLoop(ABC):
+    """Base class: holds the engine client, the tokenizer and the sampling settings."""
+
+    name: str = ""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
+                 interrupt: asyncio.Event | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.max_model_len = max_model_len
+        self.interrupt = interrupt or asyncio.Event()
+
+    async def run(self, trajectory: Trajectory) -> LoopOutcome:
+        """Start on a trajectory holding only the prompt."""
+        snapshot = AgentLoopSnapshot(self.name, self.initial_state, trajectory, self.sampling.max_new_tokens)
+        return await self.resume(snapshot)
+
+    @abstractmethod
+    async def resume(self, snapshot: AgentLoopSnapshot) -> LoopOutcome:
+        """Continue from a snapshot in whatever state it was taken."""
+
+    initial_state: str = "generating"
+
+    # -- helpers for subclasses ---------------------------------------------------
+
+    def budget(self, snapshot: AgentLoopSnapshot) -> int:
+        """Tokens the next request may generate: what is left of the loop's total budget
+        and of the context window."""
+        t = snapshot.trajectory
+        context_left = self.max_model_len - len(t.prompt_token_ids) - t.num_response_tokens
+        return max(0, min(snapshot.tokens_remaining, context_left))
+
+    async def generate(self, snapshot: AgentLoopSnapshot, **overrides: Any) -> GenerationResult:
+        """Generate a continuation of prompt + response so far, appending it as a policy segment."""
+        t = snapshot.trajectory
+        sampling = replace(self.sampling, max_new_tokens=self.budget(snapshot), **overrides)
+        request_id = f"{t.prompt_id}:{t.group_id}:{next(_request_counter)}"
+        result = await self.engine.generate(t.prompt_token_ids + t.response_token_ids, sampling, request_id)
+        if result.token_ids:
+            t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
+        return result
+
+    @staticmethod
+    def interrupted(snapshot: AgentLoopSnapshot, state: str) -> LoopOutcome:
+        snapshot.state = state
+        snapshot.num_interruptions += 1
+        return LoopOutcome(snapshot=snapshot)
+
+    @staticmethod
+    def finish(snapshot: AgentLoopSnapshot, status: TrajectoryStatus, **info: Any) -> LoopOutcome:
+        t = snapshot.trajectory
+        t.status = status
+        t.info.update(info, num_interruptions=snapshot.num_interruptions)
+        return LoopOutcome(trajectory=t)

