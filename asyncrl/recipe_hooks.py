@@ -1,7 +1,9 @@
 """A recipe's Python hooks, loaded from the module its config names (`recipe.module`).
 
-A recipe module (recipes/<name>/__init__.py) defines `extract_answer(response) -> str`,
-which turns generated text into the answer the task's scorer checks.
+A recipe module (recipes/<name>/__init__.py) defines
+  - `extract_answer(response) -> str`: the answer in the generated text, for the task's scorer;
+  - optionally `reward(problem, response) -> float`: a reward of its own. Without it the
+    reward is the task's scorer on the extracted answer.
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncrl.tasks import Problem, score_answer
+
 
 @dataclass(frozen=True)
 class RecipeHooks:
     module: str
     extract_answer: Callable[[str], str]
+    custom_reward: Callable[[Problem, str], float] | None = None
+
+    def reward(self, problem: Problem, response: str) -> float:
+        if self.custom_reward is not None:
+            return float(self.custom_reward(problem, response))
+        return score_answer(problem, self.extract_answer(response))
 
 
 def load_recipe_hooks(module: str) -> RecipeHooks:
@@ -26,4 +36,7 @@ def load_recipe_hooks(module: str) -> RecipeHooks:
     extract = getattr(mod, "extract_answer", None)
     if not callable(extract):
         raise ValueError(f"recipe.module={module!r} defines no extract_answer(response: str) -> str")
-    return RecipeHooks(module=module, extract_answer=extract)
+    reward = getattr(mod, "reward", None)
+    if reward is not None and not callable(reward):
+        raise ValueError(f"recipe.module={module!r}: `reward` must be a function (problem, response) -> float")
+    return RecipeHooks(module=module, extract_answer=extract, custom_reward=reward)

@@ -8,7 +8,9 @@ occurs in the held-out split is dropped, so held-out accuracy measures generalis
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ class Problem:
     prompt: str  # the question formatted with the recipe's prompt template
     answer: str
     entry: dict[str, Any] = field(repr=False, default_factory=dict)  # reasoning-gym's item, for its scorer
+    agent_loop: str = ""  # the loop for this row; empty: the config's rollout.agent_loop
 
 
 class TaskSource:
@@ -36,8 +39,6 @@ class TaskSource:
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
-        # Scoring depends only on the task and its params, which every split shares.
-        self._scorers: dict[str, Any] = {}
         self.heldout: list[Problem] = self._generate("heldout", cfg.heldout_seed, cfg.heldout_size)
         self._heldout_questions = {p.question for p in self.heldout}
         self.train: list[Problem] = self.generate_split("train", cfg.train_seed, cfg.train_size)
@@ -51,8 +52,7 @@ class TaskSource:
         return problems
 
     def score(self, problem: Problem, answer_text: str) -> float:
-        """The task's own scorer: 1.0 for a correct answer, 0.0 otherwise (some tasks give partial credit)."""
-        return float(self._scorers[problem.task].score_answer(answer_text.strip(), problem.entry))
+        return score_answer(problem, answer_text)
 
     def _generate(self, split: str, seed: int, size: int) -> list[Problem]:
         problems: list[Problem] = []
@@ -62,7 +62,6 @@ class TaskSource:
             # Each task gets its own seed so that adding a task does not change the others' problems.
             task_seed = seed * 1_000_003 + _stable_hash(task.name)
             dataset = reasoning_gym.create_dataset(task.name, size=count, seed=task_seed, **task.params)
-            self._scorers.setdefault(task.name, dataset)
             for i, entry in enumerate(dataset):
                 problems.append(Problem(
                     prompt_id=f"{split}/{task.name}/{i}",
@@ -73,6 +72,16 @@ class TaskSource:
                     entry=entry,
                 ))
         return problems
+
+
+def score_answer(problem: Problem, answer_text: str) -> float:
+    """The task's own scorer: 1.0 for a correct answer, 0.0 otherwise (some tasks give partial credit)."""
+    return float(_scorer(problem.task)(answer_text.strip(), problem.entry))
+
+
+@functools.cache
+def _scorer(task: str) -> Callable[[str, dict[str, Any]], float]:
+    return reasoning_gym.get_score_answer_fn(task)
 
 
 def _split_by_weight(total: int, tasks: list[TaskConfig]) -> list[int]:

@@ -1,0 +1,1 @@
+"""Rollout: workers that run agent loops against the engines, route requests and score."""

@@ -1,0 +1,232 @@
+"""RolloutWorker: runs many agent loops at once and turns prompts into scored groups.
+
+Runs as a Ray async actor (one asyncio loop). Receives problems from the driver and
+engine handles at construction; emits `TrajectoryGroup`s (the n samples of one prompt)
+to a sink (a Ray actor with `put(group)`, e.g. the message queue) or, without a sink,
+keeps them for `take_groups()`. Keeps the snapshots of interrupted loops until
+`resume_interrupted()`.
+
+Lifecycle of a submitted problem:
+  1) Check the row: an empty prompt, a prompt that leaves no room in the context, or
+     an unknown agent loop fails the prompt with a counted reason (no group emitted).
+  2) Start n loops, at most `rollout.max_concurrent_loops` at a time in this worker,
+     each on the engine the router picks.
+  3) A loop that is interrupted (engine paused with abort, or `interrupt()`) leaves a
+     snapshot; `resume_interrupted()` continues it, on any engine.
+  4) A finished trajectory is scored by the recipe's reward in a thread, under
+     `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
+     failure reason. A loop that raises becomes a failed trajectory, never a crash.
+  5) When all n trajectories are finished, the group goes to the sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from agent_loops import get_agent_loop
+from asyncrl.config.schema import Config
+from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.rollout.router import EngineRouter
+from asyncrl.tasks import Problem
+from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingGroup:
+    group_id: str
+    problem: Problem
+    loop_name: str
+    prompt_token_ids: list[int]
+    trajectories: list[Trajectory | None]
+
+    def complete(self) -> bool:
+        return all(t is not None for t in self.trajectories)
+
+
+@dataclass
+class WorkerStats:
+    """Counters a worker reports; failure reasons are counted, never silent."""
+
+    prompts_submitted: int = 0
+    groups_emitted: int = 0
+    trajectories_finished: int = 0
+    interruptions: int = 0
+    resumes: int = 0
+    generated_tokens: int = 0
+    failed_prompts: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
+    failure_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+
+class RolloutWorker:
+    """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
+
+    def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
+                 hooks: RecipeHooks | None = None):
+        self.worker_id = worker_id
+        self.cfg = cfg
+        self.router = EngineRouter(engines)
+        self.sink = sink
+        self.hooks = hooks or load_recipe_hooks(cfg.recipe.module)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        self.sampling = SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+        self.stats = WorkerStats()
+        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
+        self._interrupt = asyncio.Event()
+        self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
+        self._groups: list[TrajectoryGroup] = []  # emitted groups, when there is no sink
+        self._tasks: set[asyncio.Task] = set()
+        self._group_counter = itertools.count()
+
+    # -- driver-facing API -----------------------------------------------------------
+
+    async def submit(self, problems: list[Problem], n: int | None = None) -> int:
+        """Start n samples of each problem (default: algorithm.n_samples_per_prompt).
+        Returns how many problems were accepted; rejected rows are counted in stats."""
+        n = n or self.cfg.algorithm.n_samples_per_prompt
+        accepted = 0
+        for problem in problems:
+            self.stats.prompts_submitted += 1
+            group = self._admit(problem, n)  # 1)
+            if group is None:
+                continue
+            accepted += 1
+            for i in range(n):  # 2)
+                start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
+                                   env_id=problem.task, timings={"submitted": time.time()})
+                self._spawn(group, i, start)
+        return accepted
+
+    async def interrupt(self) -> None:
+        """Ask every loop to stop at its next state transition (running tool calls finish)."""
+        self._interrupt.set()
+
+    async def resume_interrupted(self) -> int:
+        """Continue every snapshotted loop; returns how many were resumed."""
+        self._interrupt.clear()
+        snapshots, self._snapshots = self._snapshots, []
+        for group, index, snapshot in snapshots:
+            self.stats.resumes += 1
+            self._spawn(group, index, snapshot)
+        return len(snapshots)
+
+    async def drain(self) -> None:
+        """Wait until no loop is running (finished, failed or snapshotted)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def take_groups(self) -> list[TrajectoryGroup]:
+        """Finished groups, when the worker has no sink."""
+        groups, self._groups = self._groups, []
+        return groups
+
+    def get_stats(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "prompts_submitted": s.prompts_submitted, "groups_emitted": s.groups_emitted,
+            "trajectories_finished": s.trajectories_finished, "interruptions": s.interruptions,
+            "resumes": s.resumes, "generated_tokens": s.generated_tokens, "running_loops": len(self._tasks),
+            "snapshots": len(self._snapshots), "failed_prompts": dict(s.failed_prompts),
+            "failure_reasons": dict(s.failure_reasons), "engine_outstanding": list(self.router.outstanding),
+        }
+
+    # -- one problem, one sample -------------------------------------------------------
+
+    def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
+        """The row's pending group, or None with a counted reason."""
+        loop_name = problem.agent_loop or self.cfg.rollout.agent_loop
+        ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
+        reason = None
+        if not ids:
+            reason = "empty_prompt"
+        elif len(ids) >= self.cfg.engine.max_model_len:
+            reason = f"prompt_too_long ({len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len})"
+        else:
+            try:
+                get_agent_loop(loop_name)
+            except KeyError as e:
+                reason = f"unknown_agent_loop ({e.args[0]})"
+        if reason is not None:
+            self.stats.failed_prompts[problem.prompt_id] = reason
+            self.stats.failure_reasons[reason.split(" ")[0]] += 1
+            logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, reason)
+            return None
+        group_id = f"{problem.prompt_id}@w{self.worker_id}.{next(self._group_counter)}"
+        return _PendingGroup(group_id, problem, loop_name, ids, [None] * n)
+
+    def _spawn(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
+        task = asyncio.get_running_loop().create_task(self._run_sample(group, index, start))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_sample(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
+        async with self._slots:
+            loop = get_agent_loop(group.loop_name)(self.router.client(), self.tokenizer, self.sampling,
+                                                   self.cfg.engine.max_model_len, interrupt=self._interrupt)
+            t0 = time.time()
+            try:
+                outcome = await (loop.run(start) if isinstance(start, Trajectory) else loop.resume(start))
+            except Exception as e:  # an engine or loop error fails this sample, not the worker
+                logger.exception("worker-%d: loop %s failed on %s", self.worker_id, group.loop_name, group.group_id)
+                traj = start if isinstance(start, Trajectory) else start.trajectory
+                reason = f"loop_error: {type(e).__name__}: {e}"
+                traj.status, traj.failure_reason = TrajectoryStatus.FAILED, reason
+                self.stats.failure_reasons["loop_error"] += 1
+                await self._finish(group, index, traj)
+                return
+        if outcome.snapshot is not None:  # 3)
+            self.stats.interruptions += 1
+            self._snapshots.append((group, index, outcome.snapshot))
+            return
+        traj = outcome.trajectory
+        traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.time() - t0
+        await self._score(group.problem, traj)  # 4)
+        await self._finish(group, index, traj)
+
+    async def _score(self, problem: Problem, traj: Trajectory) -> None:
+        response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
+        traj.info["response"] = response
+        timeout = self.cfg.rollout.reward_timeout_s
+        try:
+            traj.reward = await asyncio.wait_for(
+                asyncio.to_thread(self.hooks.reward, problem, response), timeout=timeout)
+        except asyncio.TimeoutError:
+            self._reward_failed(traj, f"reward_timeout (> {timeout:g}s)")
+        except Exception as e:  # a buggy reward function must not stop the run
+            self._reward_failed(traj, f"reward_error: {type(e).__name__}: {e}")
+
+    def _reward_failed(self, traj: Trajectory, reason: str) -> None:
+        traj.reward = 0.0
+        traj.info["reward_failure"] = reason
+        self.stats.failure_reasons[reason.split(" ")[0].rstrip(":")] += 1
+        logger.warning("worker-%d: %s on %s", self.worker_id, reason, traj.prompt_id)
+
+    async def _finish(self, group: _PendingGroup, index: int, traj: Trajectory) -> None:
+        self.stats.trajectories_finished += 1
+        self.stats.generated_tokens += sum(traj.loss_mask)
+        group.trajectories[index] = traj
+        if not group.complete():
+            return
+        done = TrajectoryGroup(group.group_id, group.problem.prompt_id, list(group.trajectories),
+                               env_id=group.problem.task)
+        self.stats.groups_emitted += 1
+        if self.sink is None:  # 5)
+            self._groups.append(done)
+        else:
+            await self.sink.put.remote(done)
+
+
+def rollout_worker_options(cfg: Config, worker_id: int) -> dict[str, Any]:
+    """Ray actor options: named for the dashboard, sized by config, many concurrent calls."""
+    return {"name": f"rollout-worker-{worker_id}", "num_cpus": cfg.rollout.num_cpus_per_worker,
+            "max_concurrency": 1000}

