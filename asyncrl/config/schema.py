@@ -162,6 +162,18 @@ class EvalConfig:
 
 
 @dataclass
+class BenchConfig:
+    """`asyncrl bench ...` settings."""
+
+    num_prompts: int = 64
+    n_samples: int = 8
+    max_new_tokens: int = 64
+    ignore_eos: bool = True  # every request generates exactly max_new_tokens: equal work on both paths
+    pause_requests: int = 64  # requests in flight when pause/resume is timed
+    rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
+
+
+@dataclass
 class RecipeConfig:
     name: str = MISSING
     description: str = ""
@@ -182,3 +194,4 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)

@@ -71,15 +71,15 @@ class RolloutWorker:
     """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
 
     def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
-                 hooks: RecipeHooks | None = None):
+                 hooks: RecipeHooks | None = None, sampling: SamplingSpec | None = None):
         self.worker_id = worker_id
         self.cfg = cfg
         self.router = EngineRouter(engines)
         self.sink = sink
         self.hooks = hooks or load_recipe_hooks(cfg.recipe.module)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        self.sampling = SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
-                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+        self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
+                                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         self.stats = WorkerStats()
         self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
         self._interrupt = asyncio.Event()

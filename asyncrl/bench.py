@@ -1,0 +1,197 @@
+"""`asyncrl bench rollout`: what the rollout path costs on top of raw vLLM.
+
+    asyncrl bench rollout recipe=arith                       # 64 prompts x 8 samples x 64 tokens
+    asyncrl bench rollout recipe=arith bench.max_new_tokens=16 bench.ignore_eos=false
+
+In one run, on the same engine configuration, the same prompts and sampling go through
+  (a) raw vLLM: an `AsyncLLM` in this process, at most `rollout.max_concurrent_loops`
+      requests in flight;
+  (b) the full path: RolloutWorker (Ray actor) -> partial_single_turn loop ->
+      EngineActor (Ray actor), with the same concurrency limit.
+Both engines stay up; `bench.rounds` rounds alternate (a) and (b) and the medians are
+compared, so machine noise hits both alike. Then, on (b)'s engine, `pause` with
+`bench.pause_requests` requests in flight and `resume` are timed, for both modes.
+Engine start-up and a warm-up batch are excluded. The last line printed is one JSON
+object:
+  {"bench": "rollout", "raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s", ...}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from asyncrl.config import CONF_DIR, Config, validate_or_exit
+from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs
+from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
+from asyncrl.tasks import Problem, TaskSource
+from asyncrl.types import SamplingSpec
+
+BENCHMARKS = ("rollout",)
+
+
+def bench_sampling(cfg: Config) -> SamplingSpec:
+    return SamplingSpec(max_new_tokens=cfg.bench.max_new_tokens, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p, ignore_eos=cfg.bench.ignore_eos)
+
+
+class RawVLLM:
+    """(a): a bare AsyncLLM in this process, sent the request the EngineActor sends."""
+
+    def __init__(self, cfg: Config, sampling: SamplingSpec):
+        configure_vllm_env(cfg.engine, cfg.cluster.device)
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = vllm_engine_kwargs(cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+        self.params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                     top_p=sampling.top_p, ignore_eos=sampling.ignore_eos, logprobs=0,
+                                     output_kind=RequestOutputKind.DELTA)
+        self.concurrency = cfg.rollout.max_concurrent_loops
+
+    async def run(self, tag: str, prompts: list[list[int]], n: int) -> int:
+        """Tokens generated for n samples of each prompt, at most `concurrency` in flight."""
+        from vllm.inputs import TokensPrompt
+
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def one(request_id: str, ids: list[int]) -> int:
+            async with slots:
+                tokens = 0
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), self.params, request_id):
+                    tokens += len(out.outputs[0].token_ids)
+                return tokens
+
+        jobs = [one(f"{tag}-{i}-{k}", ids) for i, ids in enumerate(prompts) for k in range(n)]
+        return sum(await asyncio.gather(*jobs))
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        # Drop it now: AsyncLLM.__del__ calls shutdown again, which fails at interpreter exit.
+        del self.llm
+        gc.collect()
+
+
+class FrameworkPath:
+    """(b): RolloutWorker (Ray actor) -> partial_single_turn -> EngineActor (Ray actor)."""
+
+    def __init__(self, cfg: Config, sampling: SamplingSpec):
+        import ray
+
+        self.engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
+            0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+        ray.get(self.engine.start.remote())
+        self.worker = ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, 0)).remote(
+            0, cfg, [self.engine], None, None, sampling)
+
+    async def run(self, problems: list[Problem], n: int) -> int:
+        await self.worker.submit.remote(problems, n)
+        await self.worker.drain.remote()
+        groups = await self.worker.take_groups.remote()
+        if len(groups) != len(problems):
+            stats = await self.worker.get_stats.remote()
+            raise RuntimeError(f"framework path returned {len(groups)} groups for {len(problems)} prompts: {stats}")
+        return sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
+
+    async def pause_resume_s(self, cfg: Config, prompt_ids: list[int], mode: str) -> tuple[float, int]:
+        """Wall time of pause + resume with `bench.pause_requests` long requests in flight."""
+        long = SamplingSpec(max_new_tokens=cfg.engine.max_model_len - len(prompt_ids), ignore_eos=True)
+        refs = [self.engine.generate.remote(prompt_ids, long, f"pause-{mode}-{i}")
+                for i in range(cfg.bench.pause_requests)]
+        deadline = time.monotonic() + 10
+        while await self.engine.num_outstanding.remote() < len(refs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # all submitted ...
+        await asyncio.sleep(0.02)  # ... and decoding
+        in_flight = await self.engine.num_outstanding.remote()
+        t0 = time.monotonic()
+        await self.engine.pause.remote(mode)
+        await self.engine.resume.remote()
+        seconds = time.monotonic() - t0
+        await asyncio.gather(*refs)
+        return seconds, in_flight
+
+
+async def _timed(coro) -> tuple[int, float]:
+    t0 = time.monotonic()
+    tokens = await coro
+    return tokens, time.monotonic() - t0
+
+
+async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[list[int]]) -> dict[str, Any]:
+    sampling = bench_sampling(cfg)
+    raw, framework = RawVLLM(cfg, sampling), FrameworkPath(cfg, sampling)
+    try:
+        await raw.run("warmup", prompt_ids[:2], 2)  # warm-up, not timed
+        await framework.run(problems[:2], 2)
+        raw_rates, fw_rates = [], []
+        for r in range(cfg.bench.rounds):  # alternate, so that machine noise hits both alike
+            tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, cfg.bench.n_samples))
+            raw_rates.append(tokens / seconds)
+            tokens, seconds = await _timed(framework.run(problems, cfg.bench.n_samples))
+            fw_rates.append(tokens / seconds)
+            print(f"round {r}: raw vLLM {raw_rates[-1]:.0f} tok/s, framework {fw_rates[-1]:.0f} tok/s", flush=True)
+        pauses = {mode: await framework.pause_resume_s(cfg, prompt_ids[0], mode) for mode in ("abort", "keep")}
+    finally:
+        raw.shutdown()
+    raw_tok_s, fw_tok_s = statistics.median(raw_rates), statistics.median(fw_rates)
+    return {
+        "bench": "rollout",
+        "raw_tok_s": round(raw_tok_s, 1),
+        "framework_tok_s": round(fw_tok_s, 1),
+        "ratio": round(fw_tok_s / raw_tok_s, 3),
+        "pause_resume_s": round(pauses[cfg.algorithm.pause_mode][0], 4),
+        "pause_mode": cfg.algorithm.pause_mode,
+        "pause_resume_abort_s": round(pauses["abort"][0], 4),
+        "pause_resume_keep_s": round(pauses["keep"][0], 4),
+        "in_flight_at_pause": pauses["abort"][1],
+        "rounds_raw_tok_s": [round(x) for x in raw_rates],
+        "rounds_framework_tok_s": [round(x) for x in fw_rates],
+        "requests_per_round": len(problems) * cfg.bench.n_samples,
+        "max_new_tokens": cfg.bench.max_new_tokens,
+        "ignore_eos": cfg.bench.ignore_eos,
+        "concurrency": cfg.rollout.max_concurrent_loops,
+    }
+
+
+def run_rollout_bench(cfg: Config) -> dict[str, Any]:
+    import ray
+    from transformers import AutoTokenizer
+
+    problems = TaskSource(cfg.data).heldout[: cfg.bench.num_prompts]
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        return asyncio.run(_rollout_bench(cfg, problems, [tok.encode(p.prompt) for p in problems]))
+    finally:
+        ray.shutdown()
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(dict_cfg: DictConfig) -> None:
+    cfg = validate_or_exit(dict_cfg)
+    result = run_rollout_bench(cfg)
+    print(json.dumps(result))
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(f"usage: asyncrl bench {{{','.join(BENCHMARKS)}}} [recipe=NAME] [key=value ...]", file=sys.stderr)
+        raise SystemExit(2)
+    sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *sys.argv[2:]]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""`asyncrl bench rollout` runs end to end and ends with its JSON line (figures are not asserted)."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
+    out = run_cli("bench", "rollout", "recipe=arith", "bench.num_prompts=4", "bench.n_samples=2",
+                  "bench.max_new_tokens=16", "bench.rounds=1", "bench.pause_requests=8", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "rollout" and result["requests_per_round"] == 8
+    for key in ("raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s"):
+        assert result[key] > 0
+    assert result["in_flight_at_pause"] == 8
+    assert "Exception ignored" not in out.stderr
+
+
+def test_unknown_benchmark_is_refused(tmp_path):
+    out = run_cli("bench", "nope", cwd=tmp_path)
+    assert out.returncode == 2 and "usage: asyncrl bench {rollout}" in out.stderr
