@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,3 +30,24 @@ def base_model() -> Path:
     if not (BASE_MODEL / "config.json").is_file():
         pytest.fail(f"{BASE_MODEL} is missing; build it with `python scripts/build_base_model.py`")
     return BASE_MODEL
+
+
+@contextlib.contextmanager
+def ray_engines(model_path: str | Path, count: int = 1) -> Iterator[list]:
+    """`count` started EngineActors on `model_path` in a fresh local Ray cluster (shut down after)."""
+    import ray
+
+    from asyncrl.config import load_config
+    from asyncrl.engine.engine_actor import EngineActor, engine_options
+
+    cfg = load_config([])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        handles = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
+            i, str(model_path), "", cfg.engine, "cpu") for i in range(count)]
+        infos = ray.get([h.start.remote() for h in handles])
+        assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
+        yield handles
+        ray.get([h.shutdown.remote() for h in handles])
+    finally:
+        ray.shutdown()

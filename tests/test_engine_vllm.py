@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_loops import get_agent_loop
-from asyncrl.config import load_config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
+from tests.conftest import ray_engines
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +33,8 @@ class RayEngineClient:
 
 @pytest.fixture(scope="module")
 def engine(base_model):
-    cfg = load_config([])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handle = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
-        0, cfg.model.path, "", cfg.engine, "cpu")
-    info = ray.get(handle.start.remote())
-    assert info["start_s"] > 0 and info["rss_gib"] > 0
-    yield handle
-    ray.get(handle.shutdown.remote())
-    ray.shutdown()
+    with ray_engines(base_model) as (handle,):
+        yield handle
 
 
 @pytest.fixture(scope="module")

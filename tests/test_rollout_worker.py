@@ -11,13 +11,12 @@ import dataclasses
 import time
 
 import pytest
-import ray
 
 from asyncrl.config import load_config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.tasks import Problem, TaskSource, score_answer
+from tests.conftest import ray_engines
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,8 @@ def cfg(base_model):
 
 @pytest.fixture(scope="module")
 def engines(cfg):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handles = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
-        i, cfg.model.path, "", cfg.engine, "cpu") for i in range(cfg.engine.num_engines)]
-    ray.get([h.start.remote() for h in handles])
-    yield handles
-    ray.get([h.shutdown.remote() for h in handles])
-    ray.shutdown()
+    with ray_engines(cfg.model.path, cfg.engine.num_engines) as handles:
+        yield handles
 
 
 @pytest.fixture(scope="module")

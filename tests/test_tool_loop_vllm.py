@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from agent_loops import get_agent_loop
 from agent_loops import tools as tool_registry
 from agent_loops.tools import calculate
 from asyncrl.config import load_config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
 from asyncrl.tasks import TaskSource
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
+from tests.conftest import ray_engines
 from tests.tool_model import build_tool_model
 
 pytestmark = pytest.mark.slow
@@ -32,14 +31,8 @@ def tool_model(tmp_path_factory, base_model):
 
 @pytest.fixture(scope="module")
 def engine(tool_model):
-    cfg = load_config([])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    handle = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
-        0, str(tool_model), "", cfg.engine, "cpu")
-    ray.get(handle.start.remote())
-    yield handle
-    ray.get(handle.shutdown.remote())
-    ray.shutdown()
+    with ray_engines(tool_model) as (handle,):
+        yield handle
 
 
 @pytest.fixture(scope="module")
