@@ -8,10 +8,10 @@ In one run, on the same engine configuration, the same prompts and sampling go t
       requests in flight;
   (b) the full path: RolloutWorker (Ray actor) -> partial_single_turn loop ->
       EngineActor (Ray actor), with the same concurrency limit.
-Both engines stay up; `bench.rounds` rounds alternate (a) and (b) and the medians are
-compared, so machine noise hits both alike. Then, on (b)'s engine, `pause` with
+Both engines stay up; `bench.rounds` rounds alternate (a) and (b), and the ratio is the
+median of the per-round ratios, so machine noise hits both sides of a ratio alike. Then, on (b)'s engine, `pause` with
 `bench.pause_requests` requests in flight and `resume` are timed, for both modes.
-Engine start-up and a warm-up batch are excluded. The last line printed is one JSON
+Engine start-up and `bench.warmup_rounds` untimed rounds are excluded. The last line printed is one JSON
 object:
   {"bench": "rollout", "raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s", ...}
 """
@@ -133,8 +133,9 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
     sampling = bench_sampling(cfg)
     raw, framework = RawVLLM(cfg, sampling), FrameworkPath(cfg, sampling)
     try:
-        await raw.run("warmup", prompt_ids[:2], 2)  # warm-up, not timed
-        await framework.run(problems[:2], 2)
+        for w in range(cfg.bench.warmup_rounds):  # untimed: both paths reach their steady state
+            await raw.run(f"warmup{w}", prompt_ids, cfg.bench.n_samples)
+            await framework.run(problems, cfg.bench.n_samples)
         raw_rates, fw_rates = [], []
         for r in range(cfg.bench.rounds):  # alternate, so that machine noise hits both alike
             tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, cfg.bench.n_samples))
@@ -145,12 +146,15 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
         pauses = {mode: await framework.pause_resume_s(cfg, prompt_ids[0], mode) for mode in ("abort", "keep")}
     finally:
         raw.shutdown()
-    raw_tok_s, fw_tok_s = statistics.median(raw_rates), statistics.median(fw_rates)
+    # Rounds are paired (raw then framework, back to back): the median of the per-round
+    # ratios is less sensitive to the machine's drift than a ratio of medians.
+    ratios = [fw / raw for raw, fw in zip(raw_rates, fw_rates)]
     return {
         "bench": "rollout",
-        "raw_tok_s": round(raw_tok_s, 1),
-        "framework_tok_s": round(fw_tok_s, 1),
-        "ratio": round(fw_tok_s / raw_tok_s, 3),
+        "raw_tok_s": round(statistics.median(raw_rates), 1),
+        "framework_tok_s": round(statistics.median(fw_rates), 1),
+        "ratio": round(statistics.median(ratios), 3),
+        "round_ratios": [round(x, 3) for x in ratios],
         "pause_resume_s": round(pauses[cfg.algorithm.pause_mode][0], 4),
         "pause_mode": cfg.algorithm.pause_mode,
         "pause_resume_abort_s": round(pauses["abort"][0], 4),
@@ -162,6 +166,7 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
         "max_new_tokens": cfg.bench.max_new_tokens,
         "ignore_eos": cfg.bench.ignore_eos,
         "concurrency": cfg.rollout.max_concurrent_loops,
+        "warmup_rounds": cfg.bench.warmup_rounds,
     }
 
 

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 
 def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "rollout", "recipe=arith", "bench.num_prompts=4", "bench.n_samples=2",
-                  "bench.max_new_tokens=16", "bench.rounds=1", "bench.pause_requests=8", cwd=tmp_path)
+                  "bench.max_new_tokens=16", "bench.rounds=1", "bench.warmup_rounds=0",
+                  "bench.pause_requests=8", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "rollout" and result["requests_per_round"] == 8

@@ -171,6 +171,8 @@ class BenchConfig:
     ignore_eos: bool = True  # every request generates exactly max_new_tokens: equal work on both paths
     pause_requests: int = 64  # requests in flight when pause/resume is timed
     rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
+    # Untimed full rounds first: the first round through fresh Ray actors runs slower.
+    warmup_rounds: int = 1
 
 
 @dataclass

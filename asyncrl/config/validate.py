@@ -199,6 +199,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("eval.temperature", c.eval.temperature, 0)
     for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds"):
         at_least(f"bench.{name}", getattr(c.bench, name), 1)
+    at_least("bench.warmup_rounds", c.bench.warmup_rounds, 0)
 
 
 def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:
