@@ -38,6 +38,7 @@ class AgentLoop(ABC):
     """Base class: holds the engine client, the tokenizer and the sampling settings."""
 
     name: str = ""
+    initial_state: str = "generating"
 
     def __init__(self, engine: EngineClient, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
                  interrupt: asyncio.Event | None = None):
@@ -55,8 +56,6 @@ class AgentLoop(ABC):
     @abstractmethod
     async def resume(self, snapshot: AgentLoopSnapshot) -> LoopOutcome:
         """Continue from a snapshot in whatever state it was taken."""
-
-    initial_state: str = "generating"
 
     # -- helpers for subclasses ---------------------------------------------------
 
