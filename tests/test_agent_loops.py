@@ -51,3 +51,12 @@ def test_tool_output_is_cut_to_the_budget(tokenizer):
     snapshot = AgentLoopSnapshot("partial_tool", "calling_tools", t, 20)
     loop.append_tool_output(snapshot, "a long tool output")
     assert t.num_response_tokens == 20 and len(t.segments[-1]) == 5
+
+
+def test_a_worker_refuses_an_unknown_default_loop_at_start(base_model):
+    from asyncrl.config import load_config
+    from asyncrl.rollout.worker import RolloutWorker
+
+    cfg = load_config(["rollout.agent_loop=no_such_loop"])
+    with pytest.raises(ValueError, match="rollout.agent_loop='no_such_loop': unknown agent loop"):
+        RolloutWorker(0, cfg, engines=[])

@@ -72,6 +72,10 @@ class RolloutWorker:
 
     def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
                  hooks: RecipeHooks | None = None, sampling: SamplingSpec | None = None):
+        try:  # a bad default loop would reject every row: fail at start instead
+            get_agent_loop(cfg.rollout.agent_loop)
+        except KeyError as e:
+            raise ValueError(f"rollout.agent_loop={cfg.rollout.agent_loop!r}: {e.args[0]}") from None
         self.worker_id = worker_id
         self.cfg = cfg
         self.router = EngineRouter(engines)
