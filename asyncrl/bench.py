@@ -58,7 +58,7 @@ class RawVLLM:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
         self.params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                      top_p=sampling.top_p, ignore_eos=sampling.ignore_eos, logprobs=0,
-                                     output_kind=RequestOutputKind.DELTA)
+                                     output_kind=RequestOutputKind.DELTA, detokenize=bool(sampling.stop))
         self.concurrency = cfg.rollout.max_concurrent_loops
 
     async def run(self, tag: str, prompts: list[list[int]], n: int) -> int:

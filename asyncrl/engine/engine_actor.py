@@ -97,6 +97,8 @@ class EngineActor:
             ignore_eos=sampling.ignore_eos,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            # Token in, token out: text is needed only to match stop strings.
+            detokenize=bool(sampling.stop),
         )
         token_ids: list[int] = []
         logprobs: list[float] = []
