@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from asyncrl.config import CONF_DIR, Config, validate_or_exit
 from asyncrl.engine.engine_actor import EngineActor, engine_options
-from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs
+from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.tasks import Problem, TaskSource
 from asyncrl.types import SamplingSpec
@@ -49,16 +49,12 @@ class RawVLLM:
 
     def __init__(self, cfg: Config, sampling: SamplingSpec):
         configure_vllm_env(cfg.engine, cfg.cluster.device)
-        from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = vllm_engine_kwargs(cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
-        self.params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                     top_p=sampling.top_p, ignore_eos=sampling.ignore_eos, logprobs=0,
-                                     output_kind=RequestOutputKind.DELTA, detokenize=bool(sampling.stop))
+        self.params = vllm_sampling_params(sampling)  # exactly the EngineActor's request
         self.concurrency = cfg.rollout.max_concurrent_loops
 
     async def run(self, tag: str, prompts: list[list[int]], n: int) -> int:

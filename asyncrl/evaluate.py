@@ -54,7 +54,7 @@ def evaluate(cfg: Config) -> EvalResult:
 
     source = TaskSource(cfg.data)
     problems = source.heldout[: cfg.eval.num_problems]
-    extract_answer = load_recipe_hooks(cfg.recipe.module).extract_answer
+    hooks = load_recipe_hooks(cfg.recipe.module)
     llm = LLM(**vllm_engine_kwargs(cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device))
     prompts = [p.prompt for p in problems]
     max_tokens = cfg.rollout.max_new_tokens
@@ -66,7 +66,7 @@ def evaluate(cfg: Config) -> EvalResult:
                                                    max_tokens=max_tokens))
 
     def correct(problem, text: str) -> bool:
-        return source.score(problem, extract_answer(text)) >= 1.0
+        return hooks.reward(problem, text) >= 1.0
 
     greedy_hits = sum(correct(p, out.outputs[0].text) for p, out in zip(problems, greedy))
     correct_counts = [sum(correct(p, o.text) for o in out.outputs) for p, out in zip(problems, sampled)]

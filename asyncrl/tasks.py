@@ -41,7 +41,11 @@ class TaskSource:
         self.cfg = cfg
         self.heldout: list[Problem] = self._generate("heldout", cfg.heldout_seed, cfg.heldout_size)
         self._heldout_questions = {p.question for p in self.heldout}
-        self.train: list[Problem] = self.generate_split("train", cfg.train_seed, cfg.train_size)
+
+    @functools.cached_property
+    def train(self) -> list[Problem]:
+        """Built on first use: evaluation needs only the held-out split."""
+        return self.generate_split("train", self.cfg.train_seed, self.cfg.train_size)
 
     def generate_split(self, split: str, seed: int, size: int) -> list[Problem]:
         """`size` problems from `seed`, with every question of the held-out split removed."""
@@ -50,9 +54,6 @@ class TaskSource:
             logger.info("%s split: dropped %d problems that also occur in the held-out split",
                         split, size - len(problems))
         return problems
-
-    def score(self, problem: Problem, answer_text: str) -> float:
-        return score_answer(problem, answer_text)
 
     def _generate(self, split: str, seed: int, size: int) -> list[Problem]:
         problems: list[Problem] = []

@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config import compose  # noqa: E402
 from asyncrl.recipe_hooks import load_recipe_hooks  # noqa: E402
-from asyncrl.tasks import Problem, TaskSource  # noqa: E402
+from asyncrl.tasks import Problem, TaskSource, score_answer  # noqa: E402
 
 EOS = "<|endoftext|>"
 SELECTION_SEED = 7  # the split used to pick the checkpoint; never the held-out one
@@ -90,7 +90,7 @@ def make_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> d
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, source: TaskSource, problems: list[Problem], extract_answer, k: int,
+def accuracy(model, tokenizer, problems: list[Problem], extract_answer, k: int,
              max_new_tokens: int, seed: int) -> tuple[float, float]:
     """(greedy accuracy, pass@k with k samples at temperature 1) using HF generate."""
     model.eval()
@@ -108,9 +108,9 @@ def accuracy(model, tokenizer, source: TaskSource, problems: list[Problem], extr
         width = enc["input_ids"].shape[1]
         for i, p in enumerate(chunk):
             text = tokenizer.decode(greedy[i, width:], skip_special_tokens=True)
-            greedy_hits += source.score(p, extract_answer(text)) >= 1.0
+            greedy_hits += score_answer(p, extract_answer(text)) >= 1.0
             samples = tokenizer.batch_decode(sampled[i * k:(i + 1) * k, width:], skip_special_tokens=True)
-            passk_hits += any(source.score(p, extract_answer(s)) >= 1.0 for s in samples)
+            passk_hits += any(score_answer(p, extract_answer(s)) >= 1.0 for s in samples)
     model.train()
     return greedy_hits / len(problems), passk_hits / len(problems)
 
@@ -170,7 +170,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         if step % args.eval_every and step != args.max_steps:
             continue
-        greedy, passk = accuracy(model, tokenizer, source, selection, extract_answer, 8, max_new_tokens, args.seed)
+        greedy, passk = accuracy(model, tokenizer, selection, extract_answer, 8, max_new_tokens, args.seed)
         gap = passk - greedy
         eligible = args.min_greedy <= greedy <= args.max_greedy
         print(f"step {step:5d}  loss {loss.item():.3f}  greedy {greedy:.1%}  pass@8 {passk:.1%}  "
@@ -187,7 +187,7 @@ def main() -> None:
     _, step, sel_greedy, sel_passk, state = best
     model.load_state_dict(state)
     heldout = source.heldout[: args.heldout_size or None]
-    heldout_greedy, heldout_passk = accuracy(model, tokenizer, source, heldout, extract_answer, 8,
+    heldout_greedy, heldout_passk = accuracy(model, tokenizer, heldout, extract_answer, 8,
                                              max_new_tokens, args.seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -60,7 +60,7 @@ def test_vllm_eval_agrees_with_transformers(tmp_path, base_model):
 
     cfg = load_config([])
     source = TaskSource(cfg.data)
-    extract = load_recipe_hooks(cfg.recipe.module).extract_answer
+    hooks = load_recipe_hooks(cfg.recipe.module)
     model = AutoModelForCausalLM.from_pretrained(base_model).eval()
     tok = AutoTokenizer.from_pretrained(base_model, padding_side="left")
     problems = source.heldout[:n]
@@ -69,6 +69,6 @@ def test_vllm_eval_agrees_with_transformers(tmp_path, base_model):
         gen = model.generate(**enc, do_sample=False, max_new_tokens=cfg.rollout.max_new_tokens,
                              pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    hf_accuracy = sum(source.score(p, extract(t)) >= 1.0 for p, t in zip(problems, texts)) / n
+    hf_accuracy = sum(hooks.reward(p, t) >= 1.0 for p, t in zip(problems, texts)) / n
     # Both run fp32 greedy; only near-ties in the logits may differ.
     assert abs(result["greedy_accuracy"] - hf_accuracy) <= 0.02, (result["greedy_accuracy"], hf_accuracy)

@@ -11,9 +11,9 @@ def test_picks_the_engine_with_fewest_outstanding_requests():
     assert router.assigned == [1, 1, 1]
 
 
-def test_a_client_sticks_to_its_engine():
+def test_each_new_trajectory_is_routed_afresh():
     router = EngineRouter(["e0", "e1"])
     first, second = router.client(), router.client()
     assert (first.index, second.index) == (0, 1)
-    router.outstanding = [0, 9]
-    assert first.index == 0 and second.index == 1  # a live trajectory never moves
+    router.outstanding = [9, 0]  # engine 0 is busy now: a new trajectory goes to engine 1
+    assert router.client().index == 1

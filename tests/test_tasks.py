@@ -1,7 +1,7 @@
 import pytest
 
 from asyncrl.config.schema import DataConfig, TaskConfig
-from asyncrl.tasks import TaskSource, _split_by_weight
+from asyncrl.tasks import TaskSource, _split_by_weight, score_answer
 
 ARITH = TaskConfig(name="basic_arithmetic",
                    params={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"]})
@@ -43,10 +43,10 @@ def test_prompt_ids_are_unique_and_prompts_use_the_template():
 def test_scorer_accepts_the_answer_and_rejects_others():
     source = TaskSource(data_config())
     p = source.heldout[0]
-    assert source.score(p, p.answer) == 1.0
-    assert source.score(p, f"  {p.answer} ") == 1.0
-    assert source.score(p, str(int(p.answer) + 1)) == 0.0
-    assert source.score(p, "") == 0.0
+    assert score_answer(p, p.answer) == 1.0
+    assert score_answer(p, f"  {p.answer} ") == 1.0
+    assert score_answer(p, str(int(p.answer) + 1)) == 0.0
+    assert score_answer(p, "") == 0.0
 
 
 def test_tasks_mix_by_weight():

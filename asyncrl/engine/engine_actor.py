@@ -34,7 +34,7 @@ import safetensors.torch
 import torch
 
 from asyncrl.config.schema import EngineConfig
-from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs
+from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.types import GenerationResult, SamplingSpec
 
 logger = logging.getLogger(__name__)
@@ -84,22 +84,9 @@ class EngineActor:
     # -- generation --------------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            max_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop=list(sampling.stop) or None,
-            include_stop_str_in_output=True,
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
-            # Token in, token out: text is needed only to match stop strings.
-            detokenize=bool(sampling.stop),
-        )
+        params = vllm_sampling_params(sampling)
         token_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []

@@ -6,9 +6,11 @@ Call `configure_vllm_env()` before the first `import vllm` in a process.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from asyncrl.config import REPO_ROOT
 from asyncrl.config.schema import EngineConfig
+from asyncrl.types import SamplingSpec
 
 
 def configure_vllm_env(engine: EngineConfig, device: str) -> None:
@@ -41,3 +43,25 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
     return kwargs
+
+
+def vllm_sampling_params(sampling: SamplingSpec) -> Any:
+    """The vLLM request for a SamplingSpec: sampled-token logprobs, streamed deltas.
+
+    Call after `configure_vllm_env` (it imports vLLM).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0,
+        output_kind=RequestOutputKind.DELTA,
+        # Token in, token out: text is needed only to match stop strings.
+        detokenize=bool(sampling.stop),
+    )
