@@ -74,16 +74,22 @@ class TrainerConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    micro_batch_size: int = 8  # trajectories per forward/backward on one data-parallel rank
+    micro_batch_size: int = 8  # trajectories packed into one forward/backward on one data-parallel rank
+    mini_batches_per_step: int = 1  # optimizer updates per train step (>1: PPO-style, pi_prox != pi_theta)
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     total_steps: int = 100
     checkpoint_every: int = 0  # 0: only at the end
     num_cpus_per_rank: float = 1.0
+    weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
+    dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
 
 
 @dataclass

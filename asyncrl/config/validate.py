@@ -136,7 +136,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     t = c.trainer
     one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "micro_batch_size",
-                 "total_steps"):
+                 "mini_batches_per_step", "total_steps"):
         at_least(f"trainer.{name}", getattr(t, name), 1)
     need(t.lr > 0, "trainer.lr", t.lr, "must be > 0 (e.g. 1e-4)")
     need(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
@@ -146,6 +146,11 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("trainer.grad_clip", t.grad_clip, 0, "0 disables clipping")
     at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
+    need(t.weight_sync_bucket_mb > 0, "trainer.weight_sync_bucket_mb", t.weight_sync_bucket_mb, "must be > 0")
+    need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "must be > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        need(0 <= getattr(t, name) < 1, f"trainer.{name}", getattr(t, name), "must be in [0, 1)")
+    need(t.adam_eps > 0, "trainer.adam_eps", t.adam_eps, "must be > 0")
 
     # algorithm
     a = c.algorithm
@@ -156,14 +161,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
     one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
     samples = a.prompts_per_step * a.n_samples_per_prompt
-    per_micro_step = t.data_parallel_size * t.micro_batch_size
-    if samples >= 1 and per_micro_step >= 1:
-        need(samples % per_micro_step == 0, "trainer.micro_batch_size", t.micro_batch_size,
-             f"trainer.data_parallel_size={t.data_parallel_size} x trainer.micro_batch_size="
-             f"{t.micro_batch_size} = {per_micro_step} must divide the {samples} samples per step "
-             f"(algorithm.prompts_per_step={a.prompts_per_step} x algorithm.n_samples_per_prompt="
-             f"{a.n_samples_per_prompt}); valid micro batch sizes: "
-             f"{_divisors(samples // t.data_parallel_size) if samples % t.data_parallel_size == 0 else 'none'}")
+    need(1 <= t.mini_batches_per_step <= samples, "trainer.mini_batches_per_step", t.mini_batches_per_step,
+         f"must be in [1, {samples}] (the samples per step: algorithm.prompts_per_step x n_samples_per_prompt)")
 
     loss = a.loss
     one_of("algorithm.loss.type", loss.type, LOSS_TYPES)
@@ -209,10 +208,6 @@ def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str 
                         "`python scripts/build_base_model.py`")
     elif not os.path.isfile(os.path.join(path, marker)):
         problems.append(f"{key}={path!r}: the directory has no {marker}; give a Hugging Face checkpoint directory")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _reasoning_gym_task_names() -> set[str]:

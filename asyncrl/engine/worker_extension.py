@@ -3,17 +3,58 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 import safetensors.torch
+import torch
+
+from asyncrl.sync.collective import BucketPlan, create_group, receive_buckets
 
 
 class WeightLoaderExtension:
     """Loads Hugging Face-named tensors into the running model, in place, without disk."""
 
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
-        tensors = safetensors.torch.load(safetensors_blob)
+        """Load a whole state dict sent as safetensors bytes (tests, small models)."""
+        self._asyncrl_load(safetensors.torch.load(safetensors_blob).items())
+
+    def asyncrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                  backend: str, timeout_s: float) -> int:
+        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`."""
+        rank = rank_offset + self.rank
+        self._asyncrl_group = create_group(host, port, rank, world_size, backend, timeout_s)
+        return rank
+
+    def asyncrl_receive_weights(self, plan_wire: list) -> dict:
+        """Receive one broadcast of the whole model and load it as it arrives.
+
+        Returns the seconds taken and a checksum (float64 sum) of every received tensor,
+        so a caller can check that each engine got exactly what the trainer sent.
+        """
+        t0 = time.monotonic()
+        plan = BucketPlan.from_wire(plan_wire)
+        model_dtype = self.model_runner.model_config.dtype
+        checksums: dict[str, float] = {}
+
+        def tensors():
+            for name, t in receive_buckets(self._asyncrl_group, plan, self.device):
+                checksums[name] = float(t.double().sum())
+                yield name, t.to(model_dtype)
+
+        self._asyncrl_load(tensors())
+        return {"seconds": time.monotonic() - t0, "checksums": checksums}
+
+    def asyncrl_receive_raw(self, plan_wire: list) -> None:
+        """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
+        from asyncrl.sync.collective import broadcast_raw
+
+        broadcast_raw(self._asyncrl_group, BucketPlan.from_wire(plan_wire), self.device)
+
+    def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # `model.load_weights` fails on CPU (linear weights are repacked); reload_weights
         # goes through vLLM's own loader and re-runs the post-load processing.
-        self.reload_weights(weights_iterator=iter(tensors.items()))
+        self.reload_weights(weights_iterator=iter(tensors))
         model = self.model_runner.model
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does

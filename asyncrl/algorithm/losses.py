@@ -1,0 +1,128 @@
+"""Policy losses on per-token logprobs, and how tokens are weighted into one number.
+
+Notation (all per token t of a response; tool/env tokens have mask 0 and count nowhere):
+    logp    log pi_theta(t)   the policy being trained (carries the gradient)
+    mu      log mu(t)         the behaviour policy: the logprob vLLM sampled the token with
+    prox    log pi_prox(t)    the proximal policy: the trainer's weights before this update,
+                              recomputed by the trainer (decoupled PPO)
+    A       the advantage of the token's trajectory
+
+Loss types (`algorithm.loss.type`):
+    grpo           r = exp(logp - mu)
+                   l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
+    decoupled_ppo  u = exp(logp - prox),  w = min(exp(prox - mu), C)   (w is a constant)
+                   l = -w * min(u*A, clip(u, 1-eps_low, 1+eps_high)*A)
+    tis            w = min(exp(logp - mu), C)   (a constant: truncated importance sampling)
+                   l = -w * A * logp
+Optional terms, added to l:
+    k3 KL to a reference policy   kl_coef * (exp(ref - logp) - (ref - logp) - 1)
+    entropy bonus                 -entropy_coef * H_t
+
+Aggregation: `token` averages over every trained token of the step; `sequence` first
+averages within each trajectory, then over trajectories. `aggregation_weights` turns
+either into one weight per token, computed once for the whole step, so that summing
+`sum(l * weight)` over micro-batches (gradient accumulation) gives exactly the
+step's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.config.schema import LossConfig
+from asyncrl.config.validate import AGGREGATIONS, LOSS_TYPES
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar: sum over tokens of per-token loss times its aggregation weight
+    # Sums over trained tokens (divide by `tokens` for means) and maxima, for metrics.
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+
+def aggregation_weights(masks: list[torch.Tensor], mode: str) -> list[torch.Tensor]:
+    """One weight per token for each trajectory (`masks[i]`: its loss mask, 1 = trained);
+    the weights of all trained tokens of a step sum to 1."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation {mode!r}: valid are {AGGREGATIONS}")
+    if mode == "token":
+        total = sum(float(m.sum()) for m in masks)
+        return [m.float() / max(total, 1.0) for m in masks]
+    counted = [m for m in masks if float(m.sum()) > 0]
+    n = max(len(counted), 1)
+    return [m.float() / (max(float(m.sum()), 1.0) * n) for m in masks]
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    mu: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    settings: LossConfig,
+    prox: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> LossOutput:
+    """The weighted loss of a set of tokens (1-D tensors of equal length) and its statistics."""
+    mask = mask.float()
+    trained = mask > 0
+    eps_lo, eps_hi, cap = settings.clip_eps_low, settings.clip_eps_high, settings.importance_cap
+    sums: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+
+    if settings.type not in LOSS_TYPES:
+        raise ValueError(f"loss type {settings.type!r}: valid are {LOSS_TYPES}")
+    if settings.type == "tis":
+        w = torch.exp(logp.detach() - mu).clamp(max=cap)
+        per_token = -w * advantages * logp
+        ratio = torch.exp(logp.detach() - mu)
+        sums["is_weight_truncated"] = float(((ratio > cap) & trained).sum())
+        clipped = torch.zeros_like(trained)
+    else:
+        anchor = mu if settings.type == "grpo" else prox
+        if anchor is None:
+            raise ValueError("decoupled_ppo needs the proximal logprobs (prox)")
+        ratio = torch.exp(logp - anchor)
+        unclipped = ratio * advantages
+        clipped_obj = ratio.clamp(1 - eps_lo, 1 + eps_hi) * advantages
+        per_token = -torch.minimum(unclipped, clipped_obj)
+        # A token is clipped when the clamp, not the ratio, sets its objective (no gradient).
+        clipped = (clipped_obj < unclipped) & trained
+        sums["clip_low"] = float(((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum())
+        sums["clip_high"] = float(((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum())
+        if settings.type == "decoupled_ppo":
+            raw_w = torch.exp(prox - mu)
+            w = raw_w.clamp(max=cap)
+            per_token = w * per_token
+            sums["is_weight_truncated"] = float(((raw_w > cap) & trained).sum())
+        else:
+            w = torch.ones_like(ratio)
+    sums["clip_fraction"] = float(clipped.sum())
+    sums["ratio"] = float((ratio.detach() * mask).sum())
+    maxima["ratio"] = float(ratio.detach()[trained].max()) if trained.any() else 0.0
+    sums["is_weight"] = float((w.detach() * mask).sum())
+    maxima["is_weight"] = float(w.detach()[trained].max()) if trained.any() else 0.0
+
+    if ref_logp is not None and settings.kl_coef > 0:
+        d = ref_logp - logp
+        k3 = torch.exp(d) - d - 1
+        per_token = per_token + settings.kl_coef * k3
+        sums["kl_ref"] = float((k3.detach() * mask).sum())
+    if entropy is not None:
+        if settings.entropy_coef > 0:
+            per_token = per_token - settings.entropy_coef * entropy
+        sums["entropy"] = float((entropy.detach() * mask).sum())
+
+    # Behaviour vs proximal mismatch, k3 estimator of KL(mu || pi_prox) on tokens sampled from mu.
+    if prox is not None:
+        log_r = (prox - mu).detach()
+        sums["mismatch_kl"] = float(((torch.exp(log_r) - log_r - 1) * mask).sum())
+        maxima["mismatch_abs_logratio"] = float(log_r.abs()[trained].max()) if trained.any() else 0.0
+
+    loss = (per_token * weights * mask).sum()
+    return LossOutput(loss=loss, sums=sums, maxima=maxima, tokens=int(mask.sum()))

@@ -1,0 +1,1 @@
+"""Weight sync: the broadcast collective and the pause -> broadcast -> load -> resume sequence."""

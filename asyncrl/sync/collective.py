@@ -1,0 +1,137 @@
+"""The weight-broadcast collective shared by the trainer and vLLM's workers.
+
+One process group spans trainer rank 0 (group rank 0, the source) and every vLLM
+worker of every engine (ranks 1..). It is a *stateless* group (vLLM's helper over a
+TCP store): vLLM's workers already have a default torch.distributed world of their
+own, which a second `init_process_group` would clash with. The backend is gloo on
+CPU and NCCL on GPUs; the code is the same.
+
+Tensors travel in buckets: a `BucketPlan`, computed by the trainer from the names,
+dtypes and shapes it exports, packs them back to back as bytes into buffers of at most
+`bucket_bytes` (a bigger tensor gets a bucket of its own). Both sides hold the plan, so
+only the raw bytes cross the collective. The receiver yields tensors bucket by bucket,
+so at most one bucket is in flight at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TensorSlot:
+    name: str
+    dtype: str  # a key of DTYPES
+    shape: list[int]
+    offset: int  # bytes from the start of its bucket
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class BucketPlan:
+    """Which tensor goes where in which bucket: plain data, sent to every receiver."""
+
+    buckets: list[list[TensorSlot]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, specs: Iterable[tuple[str, str, list[int]]], bucket_bytes: int) -> BucketPlan:
+        """`specs`: (name, dtype, shape) in the order the sender will produce the tensors."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        plan, current, used = cls(), [], 0
+        for name, dtype, shape in specs:
+            if dtype not in DTYPES:
+                raise ValueError(f"{name}: dtype {dtype} cannot be broadcast (valid: {sorted(DTYPES)})")
+            slot = TensorSlot(name, dtype, list(shape), 0)
+            if current and used + slot.nbytes > bucket_bytes:
+                plan.buckets.append(current)
+                current, used = [], 0
+            slot.offset = used
+            current.append(slot)
+            used += slot.nbytes
+        if current:
+            plan.buckets.append(current)
+        return plan
+
+    def to_wire(self) -> list[list[list]]:
+        """Nested lists of builtins: vLLM's RPC encoder does not take dataclasses."""
+        return [[[s.name, s.dtype, s.shape, s.offset] for s in b] for b in self.buckets]
+
+    @classmethod
+    def from_wire(cls, wire: list[list[list]]) -> BucketPlan:
+        return cls([[TensorSlot(n, d, list(sh), off) for n, d, sh, off in b] for b in wire])
+
+    def bucket_nbytes(self, i: int) -> int:
+        last = self.buckets[i][-1]
+        return last.offset + last.nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_nbytes(i) for i in range(len(self.buckets)))
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for b in self.buckets for s in b]
+
+    def specs(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {s.name: (tuple(s.shape), s.dtype) for b in self.buckets for s in b}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be broadcast (valid: {sorted(DTYPES)})")
+
+
+def create_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):
+    """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
+    from datetime import timedelta
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def send_buckets(group, plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Broadcast `tensors` (in plan order) from group rank 0, one bucket at a time."""
+    for i, bucket in enumerate(plan.buckets):
+        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+        for slot in bucket:
+            name, tensor = next(tensors)
+            if name != slot.name or list(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
+                raise ValueError(f"bucket {i}: got {name} {list(tensor.shape)} {tensor.dtype}, plan says "
+                                 f"{slot.name} {slot.shape} {slot.dtype}")
+            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            buffer[slot.offset:slot.offset + slot.nbytes].copy_(flat)
+        # group_src, not src: the stateless group is not registered with torch's default world.
+        torch.distributed.broadcast(buffer, group_src=0, group=group)
+
+
+def receive_buckets(group, plan: BucketPlan, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive the broadcast bucket by bucket and yield (name, tensor) in plan order."""
+    for i, bucket in enumerate(plan.buckets):
+        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+        torch.distributed.broadcast(buffer, group_src=0, group=group)
+        for slot in bucket:
+            raw = buffer[slot.offset:slot.offset + slot.nbytes]
+            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape)
+
+
+def broadcast_raw(group, plan: BucketPlan, device: torch.device) -> None:
+    """Broadcast buffers of the plan's bucket sizes, with no model behind them: the
+    baseline the weight-sync benchmark compares a full sync against."""
+    for i in range(len(plan.buckets)):
+        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+        torch.distributed.broadcast(buffer, group_src=0, group=group)

@@ -1,0 +1,1 @@
+"""Trainer ranks: megatron-core model, losses, optimizer, checkpoints and the weight broadcast."""

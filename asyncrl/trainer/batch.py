@@ -1,0 +1,163 @@
+"""From trajectory groups to packed micro-batches: what one trainer step consumes.
+
+1) `build_samples`: each usable trajectory becomes a `TrainSample` (prompt + response
+   token ids exactly as the engine produced them, behaviour logprobs mu, loss mask,
+   per-token versions) with its group-relative advantage.
+   Failed trajectories and (optionally) groups whose rewards are all equal are left
+   out and counted.
+2) `assign_weights` gives each token its aggregation weight within one optimizer
+   update; `shard_for_data_parallel` gives each data-parallel rank a share, balanced
+   by tokens.
+3) `micro_batches` + `pack`: samples are packed end to end into one row per
+   micro-batch (no padding); a block-diagonal causal mask (CPU, local layers) or
+   cu_seqlens (Transformer Engine) keeps the sequences from seeing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncrl.algorithm.advantages import group_advantages, is_uniform
+from asyncrl.algorithm.losses import aggregation_weights
+from asyncrl.config.schema import LossConfig
+from asyncrl.types import TrajectoryGroup, TrajectoryStatus
+
+
+@dataclass
+class TrainSample:
+    tokens: list[int]  # prompt + response
+    prompt_len: int
+    mu: list[float]  # behaviour logprob of each response token
+    mask: list[int]  # 1 = trained (policy token), 0 = tool/env token
+    versions: list[int]  # policy version of each response token (-1 for env tokens)
+    advantage: float
+    # Aggregation weight of each response token (set by `assign_weights`; they sum to 1 over a mini-batch).
+    weights: list[float] = field(default_factory=list)
+
+    @property
+    def num_response(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class StepBatch:
+    samples: list[TrainSample]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
+    samples: list[TrainSample] = []
+    stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
+             "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0}
+    rewards_all: list[float] = []
+    for group in groups:
+        usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
+        stats["trajectories"] += len(group.trajectories)
+        stats["trajectories_failed"] += len(group.trajectories) - len(usable)
+        stats["trajectories_truncated"] += sum(t.status is TrajectoryStatus.TRUNCATED for t in usable)
+        rewards = [t.reward for t in usable]
+        rewards_all += rewards
+        if len(usable) < 2:
+            stats["groups_empty"] += 1
+            continue
+        if loss.filter_uniform_groups and is_uniform(rewards):
+            stats["groups_filtered_uniform"] += 1
+            continue
+        for traj, adv in zip(usable, group_advantages(rewards, loss.normalize_adv_std)):
+            mask = traj.loss_mask
+            if not traj.segments or not any(mask):
+                continue
+            samples.append(TrainSample(
+                tokens=list(traj.prompt_token_ids) + traj.response_token_ids,
+                prompt_len=len(traj.prompt_token_ids),
+                mu=traj.response_logprobs, mask=mask, versions=traj.versions,
+                advantage=adv))
+    stats["samples"] = len(samples)
+    stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
+    return StepBatch(samples, stats)
+
+
+def assign_weights(samples: list[TrainSample], aggregation: str) -> None:
+    """Set each token's aggregation weight over these samples (one optimizer update's worth)."""
+    weights = aggregation_weights([torch.tensor(s.mask) for s in samples], aggregation)
+    for sample, w in zip(samples, weights):
+        sample.weights = w.tolist()
+
+
+def shard_for_data_parallel(samples: list[TrainSample], dp_rank: int, dp_size: int) -> list[TrainSample]:
+    """This rank's share: longest first, each to the least-loaded rank (deterministic on every rank)."""
+    if dp_size == 1:
+        return list(samples)
+    loads = [0] * dp_size
+    shards: list[list[TrainSample]] = [[] for _ in range(dp_size)]
+    for s in sorted(samples, key=lambda s: -len(s.tokens)):
+        r = min(range(dp_size), key=lambda i: (loads[i], i))
+        shards[r].append(s)
+        loads[r] += len(s.tokens)
+    return shards[dp_rank]
+
+
+def micro_batches(samples: list[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
+    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch packed into a single row of L tokens."""
+
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], restarting at 0 for each sequence
+    cu_seqlens: torch.Tensor  # [n + 1] int32 sequence boundaries (Transformer Engine THD)
+    max_seqlen: int
+    # For the N response tokens of the micro-batch (in sample order):
+    logit_index: torch.Tensor  # [N] position whose logits predict the token (its own position - 1)
+    targets: torch.Tensor  # [N] token ids
+    mu: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N] float
+    advantages: torch.Tensor  # [N]
+    weights: torch.Tensor  # [N]
+    versions: torch.Tensor  # [N]
+    # Filled by the trainer before the update when the loss needs them: [N] logprobs.
+    prox: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, L, L] bool, True = may not attend: causal and block-diagonal per sequence."""
+        length = self.input_ids.shape[1]
+        seq_id = torch.zeros(length, dtype=torch.long)
+        for i in range(1, len(self.cu_seqlens) - 1):
+            seq_id[int(self.cu_seqlens[i]):] += 1
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed = causal & (seq_id[:, None] == seq_id[None, :])
+        return (~allowed)[None, None]
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+
+
+def pack(samples: list[TrainSample]) -> PackedBatch:
+    ids, pos, cu = [], [], [0]
+    logit_index, targets, mu, mask, adv, weights, versions = [], [], [], [], [], [], []
+    for s in samples:
+        start = len(ids)
+        ids += s.tokens
+        pos += range(len(s.tokens))
+        cu.append(len(ids))
+        first = start + s.prompt_len
+        logit_index += range(first - 1, first - 1 + s.num_response)
+        targets += s.tokens[s.prompt_len:]
+        mu += s.mu
+        mask += s.mask
+        adv += [s.advantage] * s.num_response
+        weights += s.weights
+        versions += s.versions
+    return PackedBatch(
+        input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        max_seqlen=max((len(s.tokens) for s in samples), default=0),
+        logit_index=torch.tensor(logit_index), targets=torch.tensor(targets),
+        mu=torch.tensor(mu, dtype=torch.float32), mask=torch.tensor(mask, dtype=torch.float32),
+        advantages=torch.tensor(adv, dtype=torch.float32), weights=torch.tensor(weights, dtype=torch.float32),
+        versions=torch.tensor(versions))

@@ -1,0 +1,404 @@
+"""TrainerRank: one megatron-core rank of the trainer (a plain class; Ray wraps it at the edge).
+
+The ranks of one trainer form their own torch.distributed world (gloo on CPU, NCCL on
+GPU) with tensor, pipeline and data parallel groups from `trainer.*_parallel_size`.
+Every rank receives the same calls with the same arguments; ranks split the work
+among themselves (data parallel shards, tensor/pipeline parallel model parts).
+
+A train step (`train_step`), for each of `trainer.mini_batches_per_step` mini-batches:
+  1) trajectories -> samples with group advantages and aggregation weights (batch.py);
+  2) if needed, proximal logprobs pi_prox (weights before this step) and reference
+     logprobs, forward only;
+  3) forward + backward over packed micro-batches (gradient accumulation), the loss
+     from `asyncrl.algorithm.losses`;
+  4) data-parallel gradient all-reduce, clipping, optimizer step, LR schedule.
+Then the statistics of all ranks are reduced into one metrics dict.
+
+Weights leave the trainer in Hugging Face names (mbridge): broadcast to the engines
+(`broadcast_weights`, rank 0 sends), or written as an HF checkpoint (`export_hf`).
+Megatron distributed checkpoints (`save_checkpoint`/`load_checkpoint`) hold model,
+optimizer and scheduler state and load at another tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.algorithm.losses import LossOutput, policy_loss
+from asyncrl.config.schema import Config
+from asyncrl.sync.collective import BucketPlan, broadcast_raw, create_group, dtype_name, send_buckets
+from asyncrl.trainer.batch import (
+    PackedBatch,
+    assign_weights,
+    build_samples,
+    micro_batches,
+    pack,
+    shard_for_data_parallel,
+)
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port (for a process group that this process hosts)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class TrainerRank:
+    def __init__(self, cfg: Config, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.on_cpu = cfg.cluster.device == "cpu"
+        self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
+        self.step = 0
+        self._weight_group = None
+
+    # -- setup ---------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the trainer world, build the model from the HF checkpoint, the optimizer and schedule."""
+        t0 = time.monotonic()
+        t = self.cfg.trainer
+        torch.distributed.init_process_group(
+            "gloo" if self.on_cpu else "nccl", init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.dist_timeout_s))
+        from megatron.core import parallel_state as mpu
+        from megatron.core import tensor_parallel
+
+        from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge, transformer_engine_available
+
+        if self.on_cpu:
+            from asyncrl.trainer.megatron_cpu import apply_cpu_patches, seed_cpu_model_parallel_rng
+
+            apply_cpu_patches()
+            torch.set_num_threads(max(1, int(t.num_cpus_per_rank)))
+        mpu.initialize_model_parallel(tensor_model_parallel_size=t.tensor_parallel_size,
+                                      pipeline_model_parallel_size=t.pipeline_parallel_size)
+        if self.on_cpu:
+            seed_cpu_model_parallel_rng(self.cfg.run.seed, mpu.get_tensor_model_parallel_rank())
+        else:
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+        self.use_te = not self.on_cpu and transformer_engine_available()
+        self.tp_size, self.dp_size = mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size()
+        self.dp_rank = mpu.get_data_parallel_rank()
+
+        path = self.cfg.model.path
+        self.bridge = load_bridge(path, self.dtype, use_te=self.use_te, cpu=self.on_cpu)
+        self.model = self._wrap_ddp(self._load_model(build_gpt_model, path))
+        self.ref_model = None
+        if self.cfg.algorithm.loss.kl_coef > 0:
+            self.ref_model = self._load_model(build_gpt_model, path)
+            for p in self.ref_model[0].parameters():
+                p.requires_grad_(False)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20))
+        n_params = sum(p.numel() for p in self.model[0].parameters())
+        info = {"setup_s": time.monotonic() - t0, "params_this_rank": n_params, "transformer_engine": self.use_te,
+                "tp": self.tp_size, "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": self.dp_size,
+                "weight_bytes": self.plan.total_bytes, "weight_buckets": len(self.plan.buckets)}
+        if self.rank == 0:
+            logger.info("trainer ready in %.1fs: %s", info["setup_s"], info)
+        return info
+
+    def _load_model(self, build, path: str) -> list[torch.nn.Module]:
+        chunks = build(self.bridge, self.device)
+        self.bridge.load_weights(chunks, path)
+        if self.dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+
+            chunks = [Float16Module(c.config, c) for c in chunks]
+        return chunks
+
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in chunks]
+        config = chunks[0].config
+        config.finalize_model_grads_func = finalize_model_grads  # data-parallel all-reduce after the last micro-batch
+        config.no_sync_func = wrapped[0].no_sync
+        return wrapped
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        t = self.cfg.trainer
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype, use_distributed_optimizer=False)
+        optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.model[0].config.grad_scale_func = optimizer.scale_loss
+        updates = t.total_steps * t.mini_batches_per_step
+        warmup = t.warmup_steps * t.mini_batches_per_step
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=max(updates, warmup + 1), lr_decay_style=t.lr_schedule, start_wd=t.weight_decay,
+            end_wd=t.weight_decay, wd_incr_steps=max(updates, 1), wd_incr_style="constant")
+        return optimizer, scheduler
+
+    # -- training ----------------------------------------------------------------------
+
+    def train_step(self, groups: list, policy_version: int) -> dict[str, float]:
+        """One trainer step on these trajectory groups (every rank gets the same list)."""
+        t0 = time.monotonic()
+        lc = self.cfg.algorithm.loss
+        step = build_samples(groups, lc)
+        stats: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        tokens = 0
+        grad_norms = []
+        k = self.cfg.trainer.mini_batches_per_step
+        chunks = [step.samples[i::k] for i in range(k)] if step.samples else []
+        for mini in (c for c in chunks if c):
+            assign_weights(mini, lc.aggregation)
+            mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
+            batches = [pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)]
+            # pi_prox differs from pi_theta only after a first update within this step.
+            need_prox = lc.type == "decoupled_ppo" and k > 1
+            for b in batches:
+                b.prox = self._logprobs(self.model, b) if need_prox else None
+                b.ref = self._logprobs(self.ref_model, b) if self.ref_model is not None else None
+            outputs, grad_norm = self._update(batches)
+            grad_norms.append(grad_norm)
+            for out in outputs:
+                tokens += out.tokens
+                for name, v in out.sums.items():
+                    stats[name] = stats.get(name, 0.0) + v
+                for name, v in out.maxima.items():
+                    maxima[name] = max(maxima.get(name, v), v)
+            for b in batches:
+                trained = b.mask > 0
+                stale = (policy_version - b.versions[trained]).float()
+                stats["staleness"] = stats.get("staleness", 0.0) + float(stale.sum())
+                maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
+        self.step += 1
+        metrics = self._reduce_metrics(stats, maxima, tokens)
+        metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
+        metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["train/step_s"] = time.monotonic() - t0
+        metrics["train/tokens_per_s"] = metrics["train/tokens"] / max(metrics["train/step_s"], 1e-9)
+        metrics["train/step"] = self.step
+        return metrics
+
+    def _update(self, batches: list[PackedBatch]) -> tuple[list[LossOutput], float]:
+        """Forward + backward over the micro-batches, then one optimizer step."""
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = self._run(self.model, batches, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+        return [r for r in results if isinstance(r, LossOutput)], float(grad_norm or 0.0)
+
+    @torch.no_grad()
+    def _logprobs(self, model: list[torch.nn.Module], batch: PackedBatch) -> torch.Tensor | None:
+        for m in model:
+            m.eval()
+        out = self._run(model, [batch], forward_only=True)
+        return out[0] if out else None  # None on pipeline stages that do not hold the output layer
+
+    def _run(self, model: list[torch.nn.Module], batches: list[PackedBatch], forward_only: bool) -> list:
+        """megatron's schedule (handles pipeline stages) over our packed micro-batches."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not batches:
+            return []
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, forward_only, len(batches)),
+            data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+            seq_length=max(b.input_ids.shape[1] for b in batches), micro_batch_size=1,
+            forward_only=forward_only)
+
+    def _forward_step(self, forward_only: bool, num_micro: int, data_iterator, model):
+        batch: PackedBatch = next(data_iterator).to(self.device)
+        if self.use_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = batch.cu_seqlens
+            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                     max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+            output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed)
+        else:
+            output = model(batch.input_ids, batch.position_ids, batch.attention_mask().to(self.device))
+        return output, partial(self._loss, batch, forward_only, num_micro)
+
+    def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
+        from megatron.core import tensor_parallel
+
+        logits = logits[0, batch.logit_index].float()  # [N, vocab / TP]: the rows that predict response tokens
+        if forward_only:
+            logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
+            return torch.zeros((), device=logits.device), logp.detach().cpu()
+        entropy = _vocab_parallel_entropy(logits)
+        # vocab_parallel_cross_entropy shifts its input in place: give it a copy.
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), batch.targets)
+        prox = batch.prox.to(self.device) if batch.prox is not None else logp.detach()
+        ref = batch.ref.to(self.device) if batch.ref is not None else None
+        out = policy_loss(logp, batch.mu, batch.advantages, batch.mask, batch.weights, self.cfg.algorithm.loss,
+                          prox=prox, ref_logp=ref, entropy=entropy)
+        # Our weights already average over the whole mini-batch of all data-parallel ranks;
+        # megatron divides each micro-batch loss by their number and DDP averages over ranks.
+        return out.loss * num_micro * self.dp_size, out
+
+    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float], tokens: int) -> dict[str, float]:
+        """Sum/max over all ranks (TP ranks hold copies: divided out) into means per trained token."""
+        names = sorted(set(sums) | {"clip_fraction", "clip_low", "clip_high", "ratio", "is_weight", "staleness",
+                                    "is_weight_truncated", "entropy", "mismatch_kl", "kl_ref"})
+        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [float(tokens)], dtype=torch.float64)
+        torch.distributed.all_reduce(vec)
+        vec /= self.tp_size
+        max_names = sorted(set(maxima) | {"ratio", "is_weight", "staleness", "mismatch_abs_logratio"})
+        mvec = torch.tensor([maxima.get(n, 0.0) for n in max_names], dtype=torch.float64)
+        torch.distributed.all_reduce(mvec, op=torch.distributed.ReduceOp.MAX)
+        total = float(vec[-1])
+        out = {f"train/{n}_mean": float(v) / max(total, 1.0) for n, v in zip(names, vec[:-1].tolist())}
+        out.update({f"train/{n}_max": float(v) for n, v in zip(max_names, mvec.tolist())})
+        out["train/tokens"] = total
+        return out
+
+    # -- weights out -----------------------------------------------------------------
+
+    def _export(self):
+        from asyncrl.trainer.hf_bridge import export_hf_weights
+
+        return export_hf_weights(self.bridge, [m.module for m in self.model])
+
+    def _export_specs(self) -> list[tuple[str, str, list[int]]]:
+        return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in self._export()]
+
+    def weight_plan(self) -> list:
+        return self.plan.to_wire()
+
+    def init_weight_group(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the broadcast group as its source; other ranks have nothing to join."""
+        if self.rank == 0:
+            backend = "gloo" if self.on_cpu else "nccl"
+            self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
+
+    def broadcast_weights(self) -> dict[str, Any]:
+        """Send the current weights to every engine worker. All ranks call it (the export gathers
+        tensor-parallel shards); rank 0 sends. Returns seconds and per-tensor checksums (rank 0)."""
+        t0 = time.monotonic()
+        checksums: dict[str, float] = {}
+
+        def tensors():
+            for name, t in self._export():
+                checksums[name] = float(t.detach().double().sum())
+                yield name, t
+
+        if self.rank == 0:
+            send_buckets(self._weight_group, self.plan, tensors(), self.device)
+        else:
+            for _ in self._export():
+                pass
+        return {"seconds": time.monotonic() - t0, "checksums": checksums}
+
+    def broadcast_raw(self) -> float:
+        """Broadcast the plan's bytes with no model behind them (benchmark baseline). Rank 0 only."""
+        t0 = time.monotonic()
+        if self.rank == 0:
+            broadcast_raw(self._weight_group, self.plan, self.device)
+        return time.monotonic() - t0
+
+    def export_hf(self, out_dir: str) -> str:
+        """Write the current policy as a Hugging Face checkpoint (with the tokenizer files)."""
+        self.bridge.save_weights([m.module for m in self.model], out_dir)
+        if self.rank == 0:
+            src = Path(self.cfg.model.tokenizer_path or self.cfg.model.path)
+            for name in TOKENIZER_FILES:
+                if (src / name).exists():
+                    shutil.copy(src / name, Path(out_dir) / name)
+        torch.distributed.barrier()
+        return out_dir
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def _sharded_state(self) -> dict[str, Any]:
+        model_sd = self.model[0].module.sharded_state_dict()
+        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+
+    def save_checkpoint(self, ckpt_dir: str, extra: dict[str, Any] | None = None) -> str:
+        """Megatron distributed checkpoint of model + optimizer, plus scheduler and step (rank 0)."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(ckpt_dir)
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._sharded_state(), str(path))
+        if self.rank == 0:
+            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(), "extra": extra or {}},
+                       path / "trainer_state.pt")
+        torch.distributed.barrier()
+        return str(path)
+
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        state = self._sharded_state()
+        if not load_optimizer:
+            state.pop("optimizer")
+        loaded = dist_checkpointing.load(state, ckpt_dir)
+        self.model[0].module.load_state_dict(loaded["model"])
+        if load_optimizer:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        meta = torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
+        self.step = meta["step"]
+        if load_optimizer:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        return meta["extra"]
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row's softmax when the vocabulary is split over tensor-parallel ranks."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def trainer_rank_options(cfg: Config, rank: int) -> dict[str, Any]:
+    """Ray actor options: named for the dashboard, one GPU per rank on GPUs."""
+    opts: dict[str, Any] = {"name": f"trainer-rank-{rank}", "num_cpus": cfg.trainer.num_cpus_per_rank}
+    if cfg.cluster.device == "cuda":
+        opts["num_gpus"] = 1
+    return opts
