@@ -13,9 +13,10 @@ Request lifecycle (`generate`):
      request returns every token produced so far, so its agent loop can resume it.
   4) The request leaves the outstanding set.
 
-Weight updates: `pause(mode)` -> `load_weights(state_dict, version)` -> `resume()`.
-Names, shapes and dtypes are checked against the checkpoint before vLLM sees them,
-because a failed reload leaves the engine dead.
+Weight updates: `pause(mode)` -> `receive_weights(version)` (the trainer's broadcast,
+see asyncrl.sync) or `load_weights(state_dict, version)` -> `resume()`. Names and
+shapes are checked against the checkpoint before vLLM sees them, because a failed
+reload leaves the engine dead.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
+from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep")
 WORKER_EXTENSION = "asyncrl.engine.worker_extension.WeightLoaderExtension"
+# Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
+_TIED_OPTIONAL = {"lm_head.weight"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -148,31 +152,61 @@ class EngineActor:
         self.version = version
         return time.monotonic() - t0
 
-    def _checked(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Names and shapes must match the checkpoint exactly; floats are cast to its dtype."""
+    # -- weight broadcast from the trainer (asyncrl.sync) ---------------------------
+
+    def num_workers(self) -> int:
+        """vLLM worker processes of this engine; each is one member of the broadcast group."""
+        return self.cfg.tensor_parallel_size
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                                plan_wire: list, timeout_s: float) -> None:
+        """Check the trainer's bucket plan against this model, then join the broadcast group."""
+        plan = BucketPlan.from_wire(plan_wire)
+        specs = {name: shape for name, (shape, _) in plan.specs().items()}
+        self._check_specs(specs)
+        self._plan_wire = plan_wire
+        await self._llm.collective_rpc("asyncrl_init_weight_group",
+                                       args=(host, port, rank_offset, world_size, backend, timeout_s))
+
+    async def receive_weights(self, version: int) -> dict[str, Any]:
+        """Receive the trainer's broadcast into every worker (the engine must be paused) and
+        become `version`. Returns seconds taken and the per-tensor checksums received."""
+        t0 = time.monotonic()
+        results = await self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
+        self.version = version
+        return {"seconds": time.monotonic() - t0, "checksums": results[0]["checksums"]}
+
+    async def receive_raw(self) -> float:
+        """Take part in a raw broadcast of the same bytes (the weight-sync benchmark's baseline)."""
+        t0 = time.monotonic()
+        await self._llm.collective_rpc("asyncrl_receive_raw", args=(self._plan_wire,))
+        return time.monotonic() - t0
+
+    def _check_specs(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Refuse names or shapes that differ from the checkpoint: a failed reload kills vLLM."""
         expected = self._expected_weights
-        missing = sorted(set(expected) - set(state_dict))
-        unknown = sorted(set(state_dict) - set(expected))
+        missing = sorted(set(expected) - set(shapes) - _TIED_OPTIONAL)
+        unknown = sorted(set(shapes) - set(expected))
         problems = []
         if missing:
             problems.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         if unknown:
             problems.append(f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        out = {}
-        for name, tensor in state_dict.items():
-            if name not in expected:
-                continue
-            shape, dtype = expected[name]
-            if tuple(tensor.shape) != shape:
-                problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {shape}")
-            elif not tensor.is_floating_point():
-                problems.append(f"{name}: dtype {tensor.dtype}, expected a floating dtype")
-            else:
-                out[name] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        problems += [f"{name}: shape {tuple(shape)}, expected {expected[name][0]}"
+                     for name, shape in shapes.items() if name in expected and tuple(shape) != expected[name][0]]
         if problems:
             raise ValueError(f"engine-{self.engine_id}: refusing weights ({'; '.join(problems)}); "
-                             "the engine keeps version " + str(self.version))
-        return out
+                             f"the engine keeps version {self.version}")
+
+    def _checked(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Names and shapes must match the checkpoint exactly; floats are cast to its dtype."""
+        self._check_specs({name: tuple(t.shape) for name, t in state_dict.items()})
+        bad = [name for name, t in state_dict.items() if not t.is_floating_point()]
+        if bad:
+            raise ValueError(f"engine-{self.engine_id}: refusing weights ({bad[:5]}: not floating point); "
+                             f"the engine keeps version {self.version}")
+        return {name: t.detach().to(device="cpu", dtype=self._expected_weights[name][1]).contiguous()
+                for name, t in state_dict.items()}
 
 
 def _checkpoint_tensor_specs(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

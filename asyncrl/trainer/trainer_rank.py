@@ -175,6 +175,7 @@ class TrainerRank:
         stats: dict[str, float] = {}
         maxima: dict[str, float] = {}
         tokens = 0
+        loss_sum = 0.0  # the objective as the loss defines it (weights sum to 1 per update), averaged over updates
         grad_norms = []
         k = self.cfg.trainer.mini_batches_per_step
         chunks = [step.samples[i::k] for i in range(k)] if step.samples else []
@@ -191,6 +192,7 @@ class TrainerRank:
             grad_norms.append(grad_norm)
             for out in outputs:
                 tokens += out.tokens
+                loss_sum += float(out.loss.detach()) / len(chunks)
                 for name, v in out.sums.items():
                     stats[name] = stats.get(name, 0.0) + v
                 for name, v in out.maxima.items():
@@ -201,7 +203,7 @@ class TrainerRank:
                 stats["staleness"] = stats.get("staleness", 0.0) + float(stale.sum())
                 maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
         self.step += 1
-        metrics = self._reduce_metrics(stats, maxima, tokens)
+        metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -272,18 +274,20 @@ class TrainerRank:
         # megatron divides each micro-batch loss by their number and DDP averages over ranks.
         return out.loss * num_micro * self.dp_size, out
 
-    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float], tokens: int) -> dict[str, float]:
+    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float], tokens: int,
+                        loss: float) -> dict[str, float]:
         """Sum/max over all ranks (TP ranks hold copies: divided out) into means per trained token."""
         names = sorted(set(sums) | {"clip_fraction", "clip_low", "clip_high", "ratio", "is_weight", "staleness",
                                     "is_weight_truncated", "entropy", "mismatch_kl", "kl_ref"})
-        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [float(tokens)], dtype=torch.float64)
+        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [loss, float(tokens)], dtype=torch.float64)
         torch.distributed.all_reduce(vec)
         vec /= self.tp_size
         max_names = sorted(set(maxima) | {"ratio", "is_weight", "staleness", "mismatch_abs_logratio"})
         mvec = torch.tensor([maxima.get(n, 0.0) for n in max_names], dtype=torch.float64)
         torch.distributed.all_reduce(mvec, op=torch.distributed.ReduceOp.MAX)
         total = float(vec[-1])
-        out = {f"train/{n}_mean": float(v) / max(total, 1.0) for n, v in zip(names, vec[:-1].tolist())}
+        out = {f"train/{n}_mean": float(v) / max(total, 1.0) for n, v in zip(names, vec[:-2].tolist())}
+        out["train/loss"] = float(vec[-2])
         out.update({f"train/{n}_max": float(v) for n, v in zip(max_names, mvec.tolist())})
         out["train/tokens"] = total
         return out

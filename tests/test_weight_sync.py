@@ -1,0 +1,67 @@
+"""Trainer -> engine weight sync on the real stack: megatron-core trainer ranks and a
+vLLM-CPU engine in Ray actors, joined by one gloo broadcast group."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.config import load_config
+from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.trainer_group import TrainerGroup
+from asyncrl.types import SamplingSpec
+from tests.trainer_data import make_groups
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Calculate 5 - 3 + 2.\nAnswer: ", "Calculate 9 + 8 - 6 + 1.\nAnswer: ", "Calculate 1 + 1 + 1.\nAnswer: "]
+
+
+def greedy_engine(engine, ids, rid):
+    return ray.get(engine.generate.remote(ids, SamplingSpec(max_new_tokens=8, temperature=0.0), rid))
+
+
+def greedy_hf(model, ids):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path):
+    cfg = load_config(["trainer.lr=1e-3"])
+    tok = AutoTokenizer.from_pretrained(base_model)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    trainer = None
+    try:
+        engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
+            0, str(base_model), "", cfg.engine, "cpu")
+        ray.get(engine.start.remote())
+        trainer = TrainerGroup(cfg)
+        info = trainer.setup()
+        assert info["weight_bytes"] > 4_000_000 and info["tp"] == 1
+        sync = WeightSync(trainer, [engine], backend="gloo")
+        sync.connect()
+        ids = [tok.encode(p) for p in PROMPTS]
+        before = [greedy_engine(engine, x, f"b{i}").token_ids for i, x in enumerate(ids)]
+
+        for step in range(3):
+            metrics = trainer.call("train_step", make_groups(tok, seed=step), 0)
+            assert metrics["train/tokens"] > 0 and metrics["train/grad_norm"] > 0
+        # sync() itself raises if any engine's received checksums differ from what was sent.
+        timings = sync.sync(version=1, pause_mode="abort")
+        assert timings["sync/version"] == 1 and timings["sync/total_s"] > 0
+
+        exported = trainer.call("export_hf", str(tmp_path / "hf"))
+        hf = AutoModelForCausalLM.from_pretrained(exported).eval()
+        after = [greedy_engine(engine, x, f"a{i}") for i, x in enumerate(ids)]
+        assert all(r.versions == [1] * len(r.token_ids) for r in after)
+        # The engine generates exactly what HF generates from the trainer's exported weights ...
+        assert [r.token_ids for r in after] == [greedy_hf(hf, x)[:len(r.token_ids)] for x, r in zip(ids, after)]
+        # ... and training did change them.
+        assert [r.token_ids for r in after] != before
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
