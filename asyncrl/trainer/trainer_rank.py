@@ -292,6 +292,22 @@ class TrainerRank:
         out["train/tokens"] = total
         return out
 
+    @torch.no_grad()
+    def forward_logits(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Full-vocabulary logits [batch, seq, vocab] for equal-length rows (conversion checks)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("forward_logits needs pipeline_parallel_size=1")
+        ids = torch.tensor(token_ids, device=self.device)
+        b, n = ids.shape
+        pos = torch.arange(n, device=self.device).expand(b, n)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1).expand(b, 1, n, n)
+        self.model[0].eval()
+        logits = self.model[0](ids, pos, None if self.use_te else mask)
+        return gather_from_tensor_model_parallel_region(logits).float().cpu()
+
     # -- weights out -----------------------------------------------------------------
 
     def _export(self):
