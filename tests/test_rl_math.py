@@ -1,0 +1,128 @@
+"""Advantages and losses against values worked out by hand from the formulas
+(asyncrl/algorithm/*.py docstrings). Each expected number shows its arithmetic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.algorithm.advantages import group_advantages, is_uniform
+from asyncrl.algorithm.losses import aggregation_weights, policy_loss
+from asyncrl.config.schema import LossConfig
+
+log = math.log
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=torch.float64)
+
+
+def loss_of(logp, mu, adv, mask=None, weights=None, **kw):
+    logp = t(*logp).requires_grad_(True)
+    n = logp.numel()
+    mask = t(*(mask or [1] * n))
+    weights = t(*(weights or [1.0] * n))
+    prox = kw.pop("prox", None)
+    ref = kw.pop("ref", None)
+    out = policy_loss(logp, t(*mu), t(*adv), mask, weights, LossConfig(**kw),
+                      prox=None if prox is None else t(*prox), ref_logp=None if ref is None else t(*ref))
+    out.loss.backward()
+    return out, logp.grad
+
+
+def test_group_advantages_by_hand():
+    # rewards 1,0,0,1: mean 0.5, deviations +-0.5, sample std sqrt(4 * 0.25 / 3) = 0.5773503
+    a = group_advantages([1, 0, 0, 1])
+    assert a == pytest.approx([0.5 / 0.5774503, -0.5 / 0.5774503, -0.5 / 0.5774503, 0.5 / 0.5774503], rel=1e-6)
+    # rewards 3,1,2: mean 2, deviations 1,-1,0, sample std sqrt(2 / 2) = 1
+    assert group_advantages([3, 1, 2]) == pytest.approx([1 / 1.0001, -1 / 1.0001, 0.0])
+    assert group_advantages([3, 1, 2], normalize_std=False) == pytest.approx([1.0, -1.0, 0.0])
+    assert group_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]
+    assert is_uniform([0.5, 0.5]) and not is_uniform([0.0, 1.0])
+
+
+def test_grpo_ratio_inside_the_trust_region_is_plain_policy_gradient():
+    # token 1: r = 0.5 / 0.4 = 1.25 < 1.28, objective 1.25 * 2 = 2.5 -> loss -2.5
+    # token 2: r = 0.3 / 0.3 = 1, objective 1 * -1 = -1 -> loss 1
+    out, grad = loss_of([log(0.5), log(0.3)], [log(0.4), log(0.3)], [2, -1], weights=[0.5, 0.5])
+    assert out.loss.item() == pytest.approx((-2.5 + 1) / 2)
+    # d(-w r A)/d logp = -w r A: -0.5 * 1.25 * 2, -0.5 * 1 * -1
+    assert grad.tolist() == pytest.approx([-1.25, 0.5])
+    assert out.sums["clip_fraction"] == 0
+
+
+def test_grpo_clips_asymmetrically_and_clipped_tokens_get_no_gradient():
+    # token 1: r = 0.6 / 0.4 = 1.5 > 1 + 0.28, A = 2: min(3.0, 1.28 * 2 = 2.56) -> loss -2.56
+    # token 2: r = 0.2 / 0.4 = 0.5 < 1 - 0.2, A = -1: min(-0.5, 0.8 * -1 = -0.8) -> loss 0.8
+    # token 3: r = 0.5 / 0.4 = 1.25, A = 1: inside -> loss -1.25
+    out, grad = loss_of([log(0.6), log(0.2), log(0.5)], [log(0.4)] * 3, [2, -1, 1])
+    assert out.loss.item() == pytest.approx(-2.56 + 0.8 - 1.25)
+    assert grad.tolist() == pytest.approx([0.0, 0.0, -1.25])
+    assert (out.sums["clip_fraction"], out.sums["clip_high"], out.sums["clip_low"]) == (2, 1, 1)
+    # A ratio beyond the bound with an advantage pointing back is not clipped: r = 1.5, A = -1 -> -1.5
+    out, grad = loss_of([log(0.6)], [log(0.4)], [-1])
+    assert out.loss.item() == pytest.approx(1.5) and grad.tolist() == pytest.approx([1.5])
+    assert out.sums["clip_fraction"] == 0
+
+
+def test_decoupled_ppo_clips_against_prox_and_truncates_the_behaviour_weight():
+    # u = 0.55 / 0.5 = 1.1 (inside), w = min(0.5 / 0.25, C)
+    # C = 5: w = 2, loss = -2 * 1.1 * 1 = -2.2, gradient -2 * 1.1 = -2.2
+    out, grad = loss_of([log(0.55)], [log(0.25)], [1], prox=[log(0.5)], type="decoupled_ppo")
+    assert out.loss.item() == pytest.approx(-2.2) and grad.tolist() == pytest.approx([-2.2])
+    assert out.sums["is_weight_truncated"] == 0
+    # C = 1.5: w = 1.5, loss = -1.5 * 1.1 = -1.65
+    out, _ = loss_of([log(0.55)], [log(0.25)], [1], prox=[log(0.5)], type="decoupled_ppo", importance_cap=1.5)
+    assert out.loss.item() == pytest.approx(-1.65) and out.sums["is_weight_truncated"] == 1
+    # mismatch KL(mu || prox), k3 with r = prox / mu = 2: 2 - log 2 - 1 = 0.3068528
+    assert out.sums["mismatch_kl"] == pytest.approx(2 - log(2) - 1)
+    # u = 0.75 / 0.5 = 1.5 > 1.28 with A = 1: clipped at 1.28, loss -1.5 * 1.28, no gradient
+    out, grad = loss_of([log(0.75)], [log(0.25)], [1], prox=[log(0.5)], type="decoupled_ppo", importance_cap=1.5)
+    assert out.loss.item() == pytest.approx(-1.5 * 1.28) and grad.tolist() == [0.0]
+    with pytest.raises(ValueError, match="proximal"):
+        loss_of([log(0.5)], [log(0.5)], [1], type="decoupled_ppo")
+
+
+def test_truncated_importance_sampling():
+    # w = min(0.3 / 0.1 = 3, C = 2) = 2; loss = -2 * A * logp = -2 * 1 * log 0.3; gradient -2 * A = -2
+    out, grad = loss_of([log(0.3)], [log(0.1)], [1], type="tis", importance_cap=2.0)
+    assert out.loss.item() == pytest.approx(-2 * log(0.3)) and grad.tolist() == pytest.approx([-2.0])
+    assert out.sums["is_weight_truncated"] == 1
+    # below the cap: w = 0.3 / 0.6 = 0.5; gradient -0.5 * A = 1 for A = -2
+    out, grad = loss_of([log(0.3)], [log(0.6)], [-2], type="tis")
+    assert grad.tolist() == pytest.approx([1.0])
+
+
+def test_k3_kl_to_reference_and_entropy_bonus():
+    # ref 0.5, policy 0.25: d = ref - logp = log 2; k3 = e^d - d - 1 = 2 - log 2 - 1 = 0.3068528
+    # ratio 1 against mu, A = 0: the PPO term is 0, so the loss is kl_coef * k3
+    out, grad = loss_of([log(0.25)], [log(0.25)], [0], ref=[log(0.5)], kl_coef=0.1)
+    assert out.loss.item() == pytest.approx(0.1 * (2 - log(2) - 1))
+    assert out.sums["kl_ref"] == pytest.approx(2 - log(2) - 1)
+    # d k3 / d logp = -e^d + 1 = -1
+    assert grad.tolist() == pytest.approx([-0.1])
+    logp = t(log(0.25)).requires_grad_(True)
+    out = policy_loss(logp, t(log(0.25)), t(0.0), t(1.0), t(1.0), LossConfig(entropy_coef=0.01), entropy=t(1.5))
+    assert out.loss.item() == pytest.approx(-0.01 * 1.5) and out.sums["entropy"] == 1.5
+
+
+def test_tool_tokens_are_masked_out():
+    # the masked token has a huge ratio and advantage, yet adds nothing to loss, gradient or stats
+    out, grad = loss_of([log(0.5), log(0.9)], [log(0.5), log(0.01)], [1, 100], mask=[1, 0])
+    assert out.loss.item() == pytest.approx(-1.0) and grad.tolist() == pytest.approx([-1.0, 0.0])
+    assert out.tokens == 1 and out.sums["clip_fraction"] == 0 and out.maxima["ratio"] == pytest.approx(1.0)
+
+
+def test_token_and_sequence_aggregation_weights():
+    masks = [torch.tensor([1, 1, 1, 1]), torch.tensor([1, 1, 0])]
+    # token: 6 trained tokens -> 1/6 each
+    tok = aggregation_weights(masks, "token")
+    assert tok[0].tolist() == pytest.approx([1 / 6] * 4) and tok[1].tolist() == pytest.approx([1 / 6, 1 / 6, 0])
+    # sequence: mean over 2 sequences of per-sequence means -> 1/(4*2), 1/(2*2)
+    seq = aggregation_weights(masks, "sequence")
+    assert seq[0].tolist() == pytest.approx([1 / 8] * 4) and seq[1].tolist() == pytest.approx([1 / 4, 1 / 4, 0])
+    assert sum(float(w.sum()) for w in seq) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregation_weights(masks, "batch")
