@@ -15,7 +15,7 @@ import sys
 COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy, generated with vLLM"),
-    "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout` (framework vs raw vLLM throughput)"),
+    "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout` | `asyncrl bench weight-sync`"),
 }
 
 

@@ -24,4 +24,15 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    assert out.returncode == 2 and "usage: asyncrl bench {rollout}" in out.stderr
+    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync}" in out.stderr
+
+
+def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
+    out = run_cli("bench", "weight-sync", "recipe=arith", "bench.rounds=2", "bench.warmup_rounds=1",
+                  "bench.trainer_steps=1", "algorithm.prompts_per_step=4", "bench.max_new_tokens=8", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "weight_sync" and result["bytes"] > 4_000_000
+    for key in ("sync_s", "raw_broadcast_s", "ratio", "stage_s", "load_s", "trainer_tokens_s"):
+        assert result[key] > 0
+    assert len(result["rounds_sync_s"]) == 2

@@ -179,6 +179,7 @@ class BenchConfig:
     rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
     # Untimed full rounds first: the first round through fresh Ray actors runs slower.
     warmup_rounds: int = 1
+    trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
 
 
 @dataclass

@@ -196,7 +196,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for i, k in enumerate(c.eval.pass_k):
         need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
     at_least("eval.temperature", c.eval.temperature, 0)
-    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds"):
+    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps"):
         at_least(f"bench.{name}", getattr(c.bench, name), 1)
     at_least("bench.warmup_rounds", c.bench.warmup_rounds, 0)
 

@@ -133,7 +133,9 @@ class EngineActor:
         t0 = time.monotonic()
         # `abort` drops the KV cache, which holds keys and values of the old weights;
         # `keep` must keep it for the frozen requests to continue.
-        await self._llm.pause_generation(mode=mode, clear_cache=(mode == "abort"))
+        # The engine core's pause directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep
+        # for output ordering, which the wait below already provides.
+        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=(mode == "abort"))
         if mode == "abort":
             # Let the aborted streams deliver their final outputs before returning.
             while self._outstanding:
@@ -174,7 +176,9 @@ class EngineActor:
         t0 = time.monotonic()
         results = await self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
         self.version = version
-        return {"seconds": time.monotonic() - t0, "checksums": results[0]["checksums"]}
+        worker = results[0]
+        return {"seconds": time.monotonic() - t0, "receive_s": worker["receive_s"], "load_s": worker["load_s"],
+                "checksums": worker["checksums"]}
 
     async def receive_raw(self) -> float:
         """Take part in a raw broadcast of the same bytes (the weight-sync benchmark's baseline)."""

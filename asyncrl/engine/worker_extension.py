@@ -36,14 +36,23 @@ class WeightLoaderExtension:
         plan = BucketPlan.from_wire(plan_wire)
         model_dtype = self.model_runner.model_config.dtype
         checksums: dict[str, float] = {}
+        waited = [0.0]
 
         def tensors():
-            for name, t in receive_buckets(self._asyncrl_group, plan, self.device):
-                checksums[name] = float(t.double().sum())
-                yield name, t.to(model_dtype)
+            received = receive_buckets(self._asyncrl_group, plan, self.device)
+            while True:
+                t = time.monotonic()
+                item = next(received, None)
+                waited[0] += time.monotonic() - t
+                if item is None:
+                    return
+                name, tensor = item
+                checksums[name] = float(tensor.double().sum())
+                yield name, tensor.to(model_dtype)
 
         self._asyncrl_load(tensors())
-        return {"seconds": time.monotonic() - t0, "checksums": checksums}
+        total = time.monotonic() - t0
+        return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "checksums": checksums}
 
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""

@@ -9,8 +9,9 @@ CPU and NCCL on GPUs; the code is the same.
 Tensors travel in buckets: a `BucketPlan`, computed by the trainer from the names,
 dtypes and shapes it exports, packs them back to back as bytes into buffers of at most
 `bucket_bytes` (a bigger tensor gets a bucket of its own). Both sides hold the plan, so
-only the raw bytes cross the collective. The receiver yields tensors bucket by bucket,
-so at most one bucket is in flight at once.
+only the raw bytes cross the collective. The trainer packs every bucket before the
+engines pause (`pack_buckets`), so the pause lasts only as long as the bytes take to
+move and load; the receiver yields tensors bucket by bucket as they arrive.
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str,
     )
 
 
-def send_buckets(group, plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> None:
-    """Broadcast `tensors` (in plan order) from group rank 0, one bucket at a time."""
+def pack_buckets(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]],
+                 device: torch.device) -> list[torch.Tensor]:
+    """Copy `tensors` (in plan order) into one byte buffer per bucket."""
+    buffers = []
     for i, bucket in enumerate(plan.buckets):
         buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
         for slot in bucket:
@@ -115,6 +118,13 @@ def send_buckets(group, plan: BucketPlan, tensors: Iterator[tuple[str, torch.Ten
                                  f"{slot.name} {slot.shape} {slot.dtype}")
             flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
             buffer[slot.offset:slot.offset + slot.nbytes].copy_(flat)
+        buffers.append(buffer)
+    return buffers
+
+
+def send_buckets(group, buffers: list[torch.Tensor]) -> None:
+    """Broadcast packed buckets from group rank 0."""
+    for buffer in buffers:
         # group_src, not src: the stateless group is not registered with torch's default world.
         torch.distributed.broadcast(buffer, group_src=0, group=group)
 

@@ -1,9 +1,10 @@
-"""Parameter sync: pause the engines -> broadcast the trainer's weights -> load -> resume.
+"""Parameter sync: (stage) -> pause the engines -> broadcast the trainer's weights -> load -> resume.
 
 `WeightSync.connect()` forms the broadcast group once (trainer rank 0 + every vLLM
 worker of every engine; see collective.py) after each engine has checked the
-trainer's bucket plan against its model. `WeightSync.sync(version)` then runs the four
-phases, times each, and checks that every engine received exactly the bytes the
+trainer's bucket plan against its model. `WeightSync.sync(version)` then has the trainer
+export and pack its weights while the engines still generate, runs the four phases,
+times each, and checks that every engine received exactly the bytes the
 trainer sent (per-tensor checksums).
 """
 
@@ -49,12 +50,14 @@ class WeightSync:
         """Pause every engine, broadcast, load, stamp `version`, resume. Returns each phase's seconds."""
         if not self.connected:
             self.connect()
+        ts = time.monotonic()
+        sent = self.trainer.call("stage_weights")  # export + pack while the engines still generate
         t0 = time.monotonic()
         ray.get([e.pause.remote(pause_mode) for e in self.engines])
         t1 = time.monotonic()
-        sent_ref = self.trainer.submit("broadcast_weights")
+        sent_refs = self.trainer.submit("broadcast_weights")
         received = ray.get([e.receive_weights.remote(version) for e in self.engines])
-        sent = ray.get(sent_ref)[0]
+        ray.get(sent_refs)
         t2 = time.monotonic()
         ray.get([e.resume.remote() for e in self.engines])
         t3 = time.monotonic()
@@ -63,10 +66,12 @@ class WeightSync:
                 bad = [n for n in sent["checksums"] if r["checksums"].get(n) != sent["checksums"][n]]
                 raise RuntimeError(f"weight sync to version {version}: engine-{i} received different bytes "
                                    f"for {bad[:5]}")
-        timings = {"sync/pause_s": t1 - t0, "sync/broadcast_load_s": t2 - t1, "sync/resume_s": t3 - t2,
-                   "sync/total_s": t3 - t0, "sync/version": version}
-        logger.info("weight sync -> version %d: pause %.3fs, broadcast+load %.3fs, resume %.3fs", version,
-                    timings["sync/pause_s"], timings["sync/broadcast_load_s"], timings["sync/resume_s"])
+        timings = {"sync/stage_s": t0 - ts, "sync/pause_s": t1 - t0, "sync/broadcast_load_s": t2 - t1,
+                   "sync/load_s": max(r["load_s"] for r in received), "sync/resume_s": t3 - t2,
+                   "sync/paused_s": t3 - t0, "sync/version": version}
+        logger.info("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs, resume %.3fs",
+                    version, timings["sync/stage_s"], timings["sync/pause_s"], timings["sync/broadcast_load_s"],
+                    timings["sync/resume_s"])
         return timings
 
     def raw_broadcast(self) -> float:

@@ -35,7 +35,14 @@ import torch
 
 from asyncrl.algorithm.losses import LossOutput, policy_loss
 from asyncrl.config.schema import Config
-from asyncrl.sync.collective import BucketPlan, broadcast_raw, create_group, dtype_name, send_buckets
+from asyncrl.sync.collective import (
+    BucketPlan,
+    broadcast_raw,
+    create_group,
+    dtype_name,
+    pack_buckets,
+    send_buckets,
+)
 from asyncrl.trainer.batch import (
     PackedBatch,
     assign_weights,
@@ -71,6 +78,7 @@ class TrainerRank:
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
         self._weight_group = None
+        self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
 
     # -- setup ---------------------------------------------------------------------
 
@@ -327,9 +335,10 @@ class TrainerRank:
             backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
-    def broadcast_weights(self) -> dict[str, Any]:
-        """Send the current weights to every engine worker. All ranks call it (the export gathers
-        tensor-parallel shards); rank 0 sends. Returns seconds and per-tensor checksums (rank 0)."""
+    def stage_weights(self) -> dict[str, Any]:
+        """Export the current weights and pack them into the broadcast buckets ahead of the sync,
+        while the engines still generate (the export gathers tensor-parallel shards, so every
+        rank takes part; rank 0 keeps the buckets). Returns seconds and per-tensor checksums."""
         t0 = time.monotonic()
         checksums: dict[str, float] = {}
 
@@ -339,11 +348,21 @@ class TrainerRank:
                 yield name, t
 
         if self.rank == 0:
-            send_buckets(self._weight_group, self.plan, tensors(), self.device)
+            self._staged = pack_buckets(self.plan, tensors(), self.device)
         else:
             for _ in self._export():
                 pass
         return {"seconds": time.monotonic() - t0, "checksums": checksums}
+
+    def broadcast_weights(self) -> float:
+        """Send the staged buckets to every engine worker (rank 0; a no-op elsewhere). Returns seconds."""
+        t0 = time.monotonic()
+        if self.rank == 0:
+            if self._staged is None:
+                raise RuntimeError("broadcast_weights without stage_weights: nothing to send")
+            send_buckets(self._weight_group, self._staged)
+            self._staged = None
+        return time.monotonic() - t0
 
     def broadcast_raw(self) -> float:
         """Broadcast the plan's bytes with no model behind them (benchmark baseline). Rank 0 only."""

@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import statistics
-import sys
 import time
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig
-
-from asyncrl.config import CONF_DIR, Config, validate_or_exit
+from asyncrl.config import Config
 from asyncrl.engine.engine_actor import EngineActor, engine_options
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.tasks import Problem, TaskSource
 from asyncrl.types import SamplingSpec
-
-BENCHMARKS = ("rollout",)
 
 
 def bench_sampling(cfg: Config) -> SamplingSpec:
@@ -177,22 +170,3 @@ def run_rollout_bench(cfg: Config) -> dict[str, Any]:
         return asyncio.run(_rollout_bench(cfg, problems, [tok.encode(p.prompt) for p in problems]))
     finally:
         ray.shutdown()
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _hydra_main(dict_cfg: DictConfig) -> None:
-    cfg = validate_or_exit(dict_cfg)
-    result = run_rollout_bench(cfg)
-    print(json.dumps(result))
-
-
-def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        print(f"usage: asyncrl bench {{{','.join(BENCHMARKS)}}} [recipe=NAME] [key=value ...]", file=sys.stderr)
-        raise SystemExit(2)
-    sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *sys.argv[2:]]
-    _hydra_main()
-
-
-if __name__ == "__main__":
-    main()

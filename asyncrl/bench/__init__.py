@@ -1,0 +1,40 @@
+"""`asyncrl bench NAME [recipe=...] [key=value ...]`: benchmarks that print their figures
+as one JSON object on the last line. Each compares against its baseline in the same run.
+
+    rollout       the rollout path (worker -> agent loop -> engine actor) vs raw vLLM
+    weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from asyncrl.config import CONF_DIR, validate_or_exit
+
+BENCHMARKS = {
+    "rollout": "asyncrl.bench.rollout:run_rollout_bench",
+    "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
+}
+_selected: list[str] = []
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(dict_cfg: DictConfig) -> None:
+    cfg = validate_or_exit(dict_cfg)
+    module, func = BENCHMARKS[_selected[0]].split(":")
+    result = getattr(importlib.import_module(module), func)(cfg)
+    print(json.dumps(result), flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(f"usage: asyncrl bench {{{','.join(BENCHMARKS)}}} [recipe=NAME] [key=value ...]", file=sys.stderr)
+        raise SystemExit(2)
+    _selected.append(sys.argv[1])
+    sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *sys.argv[2:]]
+    _hydra_main()
