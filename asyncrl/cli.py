@@ -2,6 +2,7 @@
 
     asyncrl train recipe=arith [key=value ...]    # python -m asyncrl.train ...
     asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
+    asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
 
 Everything after the subcommand goes to Hydra, so its flags work too:
 `--cfg job` prints the resolved config, `--help` lists the config groups.
@@ -15,6 +16,7 @@ import sys
 COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy, generated with vLLM"),
+    "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
     "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout` | `asyncrl bench weight-sync`"),
 }
 

@@ -10,6 +10,7 @@ eval.temperature) and writes them to eval.json in the run directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -65,23 +66,60 @@ def evaluate(cfg: Config) -> EvalResult:
     sampled = llm.generate(prompts, SamplingParams(n=cfg.eval.n_samples, temperature=cfg.eval.temperature,
                                                    max_tokens=max_tokens))
 
+    return score_eval(cfg, problems, hooks, [out.outputs[0].text for out in greedy],
+                      [[o.text for o in out.outputs] for out in sampled],
+                      [len(o.token_ids) for out in sampled for o in out.outputs], cfg.model.path, t0)
+
+
+def score_eval(cfg: Config, problems: list, hooks, greedy: list[str], sampled: list[list[str]],
+               token_counts: list[int], model: str, t0: float) -> EvalResult:
+    """Greedy accuracy and unbiased pass@k from the texts generated for each problem."""
+
     def correct(problem, text: str) -> bool:
         return hooks.reward(problem, text) >= 1.0
 
-    greedy_hits = sum(correct(p, out.outputs[0].text) for p, out in zip(problems, greedy))
-    correct_counts = [sum(correct(p, o.text) for o in out.outputs) for p, out in zip(problems, sampled)]
+    greedy_hits = sum(correct(p, text) for p, text in zip(problems, greedy))
+    correct_counts = [sum(correct(p, text) for text in texts) for p, texts in zip(problems, sampled)]
     n = cfg.eval.n_samples
-    tokens = [len(o.token_ids) for out in sampled for o in out.outputs]
     return EvalResult(
-        model=cfg.model.path,
+        model=model,
         num_problems=len(problems),
         greedy_accuracy=greedy_hits / len(problems),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(problems) for k in cfg.eval.pass_k},
         n_samples=n,
         temperature=cfg.eval.temperature,
-        mean_response_tokens=sum(tokens) / max(1, len(tokens)),
+        mean_response_tokens=sum(token_counts) / max(1, len(token_counts)),
         seconds=time.time() - t0,
     )
+
+
+async def evaluate_with_engines(cfg: Config, engines: list, problems: list, tokenizer, hooks,
+                                with_pass_k: bool = True, tag: str = "eval") -> EvalResult:
+    """The same evaluation through running EngineActors (during training): one greedy sample
+    per problem and, with `with_pass_k`, eval.n_samples sampled ones, spread over the engines."""
+    from asyncrl.types import SamplingSpec
+
+    t0 = time.time()
+    max_tokens = cfg.rollout.max_new_tokens
+    greedy_spec = SamplingSpec(max_new_tokens=max_tokens, temperature=0.0)
+    sample_spec = SamplingSpec(max_new_tokens=max_tokens, temperature=cfg.eval.temperature)
+    n = cfg.eval.n_samples if with_pass_k else 0
+    refs, counter = [], 0
+    for i, p in enumerate(problems):
+        ids = tokenizer.encode(p.prompt)
+        for j, spec in enumerate([greedy_spec] + [sample_spec] * n):
+            refs.append(engines[counter % len(engines)].generate.remote(ids, spec, f"{tag}-{i}-{j}"))
+            counter += 1
+    outs = await asyncio.gather(*refs)
+    texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
+    per = 1 + n
+    greedy = texts[0::per]
+    sampled = [texts[i * per + 1:(i + 1) * per] for i in range(len(problems))]
+    result = score_eval(cfg, problems, hooks, greedy, sampled if n else [[] for _ in problems],
+                        [len(o.token_ids) for k, o in enumerate(outs) if k % per], "engines", t0)
+    if not n:
+        result.pass_at_k = {}
+    return result
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")

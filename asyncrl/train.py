@@ -6,14 +6,18 @@
     python -m asyncrl.train recipe=arith        # the same
 
 The config is validated before any actor starts; a bad value exits with status 2 and
-one message per problem naming the key, the value and what would be valid.
+one message per problem naming the key, the value and what would be valid. The run
+directory (Hydra's, or run.output_dir) receives metrics.jsonl, plots.png, checkpoints,
+the final policy in Hugging Face format and summary.json.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from asyncrl.config import CONF_DIR, validate_or_exit
@@ -24,11 +28,20 @@ logger = logging.getLogger(__name__)
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(dict_cfg: DictConfig) -> None:
     cfg = validate_or_exit(dict_cfg)
-    logger.info("config is valid: recipe=%s model=%s", cfg.recipe.name, cfg.model.path)
-    # The driver (engines, rollout workers, queue, trainer, parameter sync) is the
-    # orchestration issue's work; until it lands, say so instead of pretending to train.
-    raise SystemExit("asyncrl train: the training driver is not implemented yet; "
-                     "the config above is valid (use `asyncrl eval` to evaluate a policy)")
+    from asyncrl.driver import run_training
+    from asyncrl.monitoring.plot import plot_run
+
+    run_dir = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
+    try:
+        summary = run_training(cfg, run_dir)
+    except KeyboardInterrupt:
+        print(f"asyncrl train: interrupted; every actor was stopped. Metrics so far: {run_dir / 'metrics.jsonl'}")
+        raise SystemExit(130) from None
+    plot = plot_run(run_dir)
+    print(f"base accuracy {summary['base_accuracy']:.1%} -> final accuracy {summary['final_accuracy']:.1%}  "
+          f"({summary['steps']} steps, {summary['samples']} samples, {summary['wall_s']:.0f}s)")
+    print(f"plots: {plot}")
+    print(f"summary: {run_dir / 'summary.json'}   final policy: {summary['final_policy']}")
 
 
 def main() -> None:

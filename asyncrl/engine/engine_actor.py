@@ -61,6 +61,8 @@ class EngineActor:
         self.version = 0
         self._llm = None
         self._outstanding: set[str] = set()
+        self._busy_s = 0.0  # total time with at least one request outstanding (for idle ratios)
+        self._busy_since = 0.0
         self._expected_weights = _checkpoint_tensor_specs(model_path)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -96,6 +98,8 @@ class EngineActor:
         versions: list[int] = []
         finish_reason = "abort"
         # 1) submit
+        if not self._outstanding:
+            self._busy_since = time.monotonic()
         self._outstanding.add(request_id)
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
@@ -112,6 +116,8 @@ class EngineActor:
         finally:
             # 4) done
             self._outstanding.discard(request_id)
+            if not self._outstanding:
+                self._busy_s += time.monotonic() - self._busy_since
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"engine-{self.engine_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs "
                                f"for request {request_id}")
@@ -119,6 +125,10 @@ class EngineActor:
 
     def num_outstanding(self) -> int:
         return len(self._outstanding)
+
+    def busy_seconds(self) -> float:
+        """Seconds so far with at least one request outstanding (1 - its rate of change = idle ratio)."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self._outstanding else 0.0)
 
     def get_version(self) -> int:
         return self.version

@@ -90,6 +90,7 @@ class RolloutWorker:
         self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
         self._groups: list[TrajectoryGroup] = []  # emitted groups, when there is no sink
         self._tasks: set[asyncio.Task] = set()
+        self._pending: dict[str, _PendingGroup] = {}  # admitted groups not yet emitted
         self._group_counter = itertools.count()
 
     # -- driver-facing API -----------------------------------------------------------
@@ -105,6 +106,7 @@ class RolloutWorker:
             if group is None:
                 continue
             accepted += 1
+            self._pending[group.group_id] = group
             for i in range(n):  # 2)
                 start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
                                    env_id=problem.task, timings={"submitted": time.time()})
@@ -128,6 +130,10 @@ class RolloutWorker:
         """Wait until no loop is running (finished, failed or snapshotted)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def pending_prompts(self) -> list[str]:
+        """Prompt ids of admitted groups not yet emitted (generating, waiting or snapshotted)."""
+        return [g.problem.prompt_id for g in self._pending.values()]
 
     def take_groups(self) -> list[TrajectoryGroup]:
         """Finished groups, when the worker has no sink."""
@@ -227,7 +233,8 @@ class RolloutWorker:
         if self.sink is None:  # 5)
             self._groups.append(done)
         else:
-            await self.sink.put.remote(done)
+            await self.sink.put.remote(done)  # waits while the queue is full
+        self._pending.pop(group.group_id, None)
 
 
 def rollout_worker_options(cfg: Config, worker_id: int) -> dict[str, Any]:

@@ -47,6 +47,16 @@ class StepBatch:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def group_filter_reason(group: TrajectoryGroup, loss: LossConfig) -> str | None:
+    """Why a group gives no training signal ("no_usable", "uniform"), or None when it does."""
+    rewards = [t.reward for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
+    if len(rewards) < 2:
+        return "no_usable"
+    if loss.filter_uniform_groups and is_uniform(rewards):
+        return "uniform"
+    return None
+
+
 def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
@@ -59,11 +69,9 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
         stats["trajectories_truncated"] += sum(t.status is TrajectoryStatus.TRUNCATED for t in usable)
         rewards = [t.reward for t in usable]
         rewards_all += rewards
-        if len(usable) < 2:
-            stats["groups_empty"] += 1
-            continue
-        if loss.filter_uniform_groups and is_uniform(rewards):
-            stats["groups_filtered_uniform"] += 1
+        reason = group_filter_reason(group, loss)
+        if reason is not None:
+            stats["groups_empty" if reason == "no_usable" else "groups_filtered_uniform"] += 1
             continue
         for traj, adv in zip(usable, group_advantages(rewards, loss.normalize_adv_std)):
             mask = traj.loss_mask

@@ -1,0 +1,1 @@
+"""Run monitoring: metrics files, wandb, the progress bar, Ray metrics and plots."""

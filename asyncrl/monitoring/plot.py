@@ -1,0 +1,59 @@
+"""`asyncrl plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
+
+Writes RUN_DIR/plots.png with four panels: reward and held-out accuracy, throughput,
+staleness, and the trainer's and engines' idle ratios.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from asyncrl.monitoring.run_log import read_metrics
+
+PANELS = (
+    ("reward and held-out accuracy",
+     (("batch/reward_mean", "train reward"), ("eval/greedy_accuracy", "held-out greedy"))),
+    ("throughput", (("throughput/samples_per_s", "samples/s"),)),
+    ("staleness (versions)", (("train/staleness_mean", "mean"), ("train/staleness_max", "max"))),
+    ("idle ratio", (("idle/trainer", "trainer"), ("idle/engines", "engines"))),
+)
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (title, series) in zip(axes.flat, PANELS):
+        for key, label in series:
+            points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("train step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "plots.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "metrics.jsonl").is_file():
+        print("usage: asyncrl plot RUN_DIR   (a run directory holding metrics.jsonl)", file=sys.stderr)
+        raise SystemExit(2)
+    print(plot_run(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()

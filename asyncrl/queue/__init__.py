@@ -1,0 +1,1 @@
+"""The message queue between rollout workers and the trainer."""
