@@ -14,6 +14,7 @@ the final policy in Hugging Face format and summary.json.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -37,6 +38,10 @@ def _hydra_main(dict_cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print(f"asyncrl train: interrupted; every actor was stopped. Metrics so far: {run_dir / 'metrics.jsonl'}")
         raise SystemExit(130) from None
+    except Exception as e:  # an actor died or an invariant broke: one clear line, then the details
+        logger.exception("training failed")
+        print(f"asyncrl train: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     plot = plot_run(run_dir)
     print(f"base accuracy {summary['base_accuracy']:.1%} -> final accuracy {summary['final_accuracy']:.1%}  "
           f"({summary['steps']} steps, {summary['samples']} samples, {summary['wall_s']:.0f}s)")

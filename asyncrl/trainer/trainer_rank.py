@@ -316,6 +316,22 @@ class TrainerRank:
         logits = self.model[0](ids, pos, None if self.use_te else mask)
         return gather_from_tensor_model_parallel_region(logits).float().cpu()
 
+    def embedding_grad(self, groups: list) -> torch.Tensor:
+        """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:
+        lets tests compare the whole loss path against a reference implementation (TP=1)."""
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise NotImplementedError("embedding_grad is for single-rank checks")
+        step = build_samples(groups, self.cfg.algorithm.loss)
+        assign_weights(step.samples, self.cfg.algorithm.loss.aggregation)
+        batches = [pack(mb) for mb in micro_batches(step.samples, self.cfg.trainer.micro_batch_size)]
+        for b in batches:
+            b.prox, b.ref = None, None
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self._run(self.model, batches, forward_only=False)
+        return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
+
     # -- weights out -----------------------------------------------------------------
 
     def _export(self):

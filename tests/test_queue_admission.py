@@ -1,0 +1,93 @@
+"""MessageQueue (backpressure, FIFO, metrics, checkpoint state) and staleness control,
+without Ray: both are plain classes that Ray wraps at the edge."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.queue.message_queue import MessageQueue
+from asyncrl.rollout.admission import PromptLedger, StalenessController
+from asyncrl.types import Segment, Trajectory, TrajectoryGroup
+
+
+def group(i: int, version: int = 0) -> TrajectoryGroup:
+    gid = f"g{i}"
+    trajs = [Trajectory(prompt_id=f"p{i}", group_id=gid, prompt_token_ids=[1],
+                        segments=[Segment.from_policy([5, 6], [-0.1, -0.2], [version, version + 1])])]
+    return TrajectoryGroup(gid, f"p{i}", trajs)
+
+
+def test_put_waits_while_full_and_get_waits_for_n():
+    async def scenario():
+        q = MessageQueue(capacity=2, enable_ray_metrics=False)
+        await q.put(group(0))
+        await q.put(group(1))
+        third = asyncio.create_task(q.put(group(2)))
+        await asyncio.sleep(0.05)
+        assert not third.done() and q.size() == 2  # backpressure: nothing dropped, the producer waits
+        got = await q.get(1, current_version=2)
+        await asyncio.wait_for(third, 1)
+        assert [g.group_id for g in got] == ["g0"] and q.size() == 2
+        waiting = asyncio.create_task(q.get(2))
+        await asyncio.sleep(0.05)
+        assert waiting.done()  # g1, g2 are there
+        assert [g.group_id for g in waiting.result()] == ["g1", "g2"]
+        late = asyncio.create_task(q.get(1))
+        await asyncio.sleep(0.05)
+        assert not late.done()
+        await q.put(group(3, version=1))
+        assert [g.group_id for g in await asyncio.wait_for(late, 1)] == ["g3"]
+        with pytest.raises(asyncio.TimeoutError):
+            await q.get(1, timeout_s=0.05)
+        m = q.metrics()
+        assert (m["queue/produced"], m["queue/consumed"], m["queue/size"]) == (4, 4, 0)
+        # g0 taken at version 2 with tokens of version 0: staleness 2; g1, g2, g3 at version 0: 0, ... g3 -1
+        assert m["queue/staleness_histogram"][2] == 1
+        assert m["queue/producer_wait_s"] > 0.04 and m["queue/consumer_wait_s"] > 0.04
+    asyncio.run(scenario())
+
+
+def test_queue_state_round_trips_through_a_checkpoint():
+    async def scenario():
+        q = MessageQueue(capacity=4, enable_ray_metrics=False)
+        for i in range(3):
+            await q.put(group(i))
+        await q.get(1)
+        state = q.state()
+        restored = MessageQueue(capacity=4, enable_ray_metrics=False)
+        await restored.restore(state)
+        assert restored.size() == 2 and (restored.produced, restored.consumed) == (3, 1)
+        assert [g.to_dict() for g in await restored.get(2)] == [group(1).to_dict(), group(2).to_dict()]
+    asyncio.run(scenario())
+
+
+def test_admission_bound_by_hand():
+    # eta = 1, B = 32, k = 1: (1 + v + 1) * 32 -> 64 prompts at v = 0, 96 at v = 1
+    s = StalenessController(max_staleness=1, prompts_per_step=32)
+    assert s.admissible(0) == 64
+    s.on_admitted(64, 0)
+    assert s.admissible(0) == 0 and s.admissible(1) == 32
+    with pytest.raises(AssertionError):
+        s.on_admitted(1, 0)
+    # synchronous: eta = 0, k = 2, B = 4: (0 + v + 1) * 2 * 4 = 8 per version
+    sync = StalenessController(max_staleness=0, prompts_per_step=4, sync_every_steps=2)
+    assert [sync.capacity(v) for v in range(3)] == [8, 16, 24]
+    # freshness: oldest token version 0 (group(0) has versions 0, 1)
+    assert s.is_fresh(group(0), 1) and not s.is_fresh(group(0), 2)
+
+
+def test_ledger_keeps_each_prompt_in_exactly_one_state():
+    ledger = PromptLedger()
+    for p in ("a", "b", "c", "d"):
+        ledger.admit(p)
+    ledger.finish("a", "trained")
+    ledger.finish("b", "filtered", "uniform")
+    ledger.finish("c", "failed", "empty_prompt")
+    assert ledger.counts() == {"running": 1, "trained": 1, "filtered": 1, "failed": 1}
+    assert ledger.running() == {"d"} and ledger.reasons["filtered:uniform"] == 1
+    with pytest.raises(ValueError, match="admitted twice"):
+        ledger.admit("a")
+    with pytest.raises(ValueError, match="not running"):
+        ledger.finish("a", "trained")

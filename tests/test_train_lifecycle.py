@@ -1,0 +1,115 @@
+"""How `asyncrl train` ends when it does not end well, and how it runs under `ray job submit`.
+
+Ctrl-C and an actor that dies mid-run must both leave no Ray or vLLM process behind; a
+run submitted with `ray job submit` to a `ray start --head` cluster on loopback trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ASYNCRL, REPO
+from tests.test_train_e2e import TINY, check_run
+
+pytestmark = pytest.mark.slow
+
+MARKERS = ("ray::", "raylet", "gcs_server", "EngineCore", "dashboard", "log_monitor", "runtime_env_agent")
+
+
+def stack_processes() -> dict[int, str]:
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if any(m in cmd for m in MARKERS):
+            out[p.info["pid"]] = cmd[:120]
+    return out
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if metrics.exists() and any('"train/loss"' in line for line in metrics.read_text().splitlines()):
+            return
+        time.sleep(1)
+    raise AssertionError("no train step within the timeout")
+
+
+def leftovers(before: dict[int, str], wait_s: float = 30) -> dict[int, str]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = {pid: cmd for pid, cmd in stack_processes().items() if pid not in before}
+        if not new or time.monotonic() > deadline:
+            return new
+        time.sleep(1)
+
+
+def start_training(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    args = [*TINY, "trainer.total_steps=200", "eval.every_steps=0", f"run.output_dir={run_dir}"]
+    proc = subprocess.Popen([*ASYNCRL, "train", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, run_dir
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    before = stack_processes()
+    proc, run_dir = start_training(tmp_path)
+    try:
+        wait_for_step(run_dir, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in out
+    assert leftovers(before) == {}
+
+
+def test_an_actor_that_dies_ends_the_run_with_its_error_and_no_leftovers(tmp_path):
+    before = stack_processes()
+    proc, run_dir = start_training(tmp_path)
+    try:
+        wait_for_step(run_dir, proc)
+        victims = [p for p in psutil.process_iter(["pid", "cmdline"])
+                   if "ray::TrainerRank" in " ".join(p.info["cmdline"] or [])]
+        assert victims, stack_processes()
+        victims[0].kill()  # the injected error: trainer rank 0 dies mid-run
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    assert "asyncrl train: failed" in err and "TrainerRank" in err
+    assert leftovers(before) == {}
+
+
+def test_ray_job_submit_to_a_loopback_cluster(tmp_path):
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    port = 6391
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                    "--dashboard-host=127.0.0.1", "--dashboard-port=8266", "--disable-usage-stats"],
+                   check=True, capture_output=True, env=env, timeout=120)
+    try:
+        run_dir = tmp_path / "job_run"
+        cmd = [ray_bin, "job", "submit", "--address=http://127.0.0.1:8266", f"--working-dir={REPO}",
+               "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
+               sys.executable, "-m", "asyncrl.cli", "train", *TINY, "cluster.address=auto",
+               f"run.output_dir={run_dir}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert "succeeded" in out.stdout and "-> final accuracy" in out.stdout
+        check_run(run_dir, eta=1)
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
