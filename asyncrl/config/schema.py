@@ -88,6 +88,7 @@ class TrainerConfig:
     total_steps: int = 100
     checkpoint_every: int = 0  # 0: only at the end
     num_cpus_per_rank: float = 1.0
+    torch_threads: int = 0  # intra-op threads per rank; 0: max(1, int(num_cpus_per_rank))
     weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
 

@@ -146,6 +146,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("trainer.grad_clip", t.grad_clip, 0, "0 disables clipping")
     at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
+    at_least("trainer.torch_threads", t.torch_threads, 0, "0: max(1, int(trainer.num_cpus_per_rank))")
     need(t.weight_sync_bucket_mb > 0, "trainer.weight_sync_bucket_mb", t.weight_sync_bucket_mb, "must be > 0")
     need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "must be > 0")
     for name in ("adam_beta1", "adam_beta2"):

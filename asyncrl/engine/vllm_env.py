@@ -39,6 +39,9 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
         seed=engine.seed,
         enforce_eager=engine.enforce_eager,
         tensor_parallel_size=engine.tensor_parallel_size,
+        # Logprobs of the distribution actually sampled from (after temperature), so that
+        # mu matches the trainer's log_softmax(logits / rollout.temperature).
+        logprobs_mode="processed_logprobs",
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -61,6 +62,9 @@ class WeightLoaderExtension:
         broadcast_raw(self._asyncrl_group, BucketPlan.from_wire(plan_wire), self.device)
 
     def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
+        # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         # `model.load_weights` fails on CPU (linear weights are repacked); reload_weights
         # goes through vLLM's own loader and re-runs the post-load processing.
         self.reload_weights(weights_iterator=iter(tensors))

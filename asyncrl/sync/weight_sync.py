@@ -69,7 +69,7 @@ class WeightSync:
         timings = {"sync/stage_s": t0 - ts, "sync/pause_s": t1 - t0, "sync/broadcast_load_s": t2 - t1,
                    "sync/load_s": max(r["load_s"] for r in received), "sync/resume_s": t3 - t2,
                    "sync/paused_s": t3 - t0, "sync/version": version}
-        logger.info("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs, resume %.3fs",
+        logger.debug("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs, resume %.3fs",
                     version, timings["sync/stage_s"], timings["sync/pause_s"], timings["sync/broadcast_load_s"],
                     timings["sync/resume_s"])
         return timings

@@ -101,7 +101,7 @@ class TrainerRank:
             from asyncrl.trainer.megatron_cpu import apply_cpu_patches, seed_cpu_model_parallel_rng
 
             apply_cpu_patches()
-            torch.set_num_threads(max(1, int(t.num_cpus_per_rank)))
+            torch.set_num_threads(t.torch_threads or max(1, int(t.num_cpus_per_rank)))
         mpu.initialize_model_parallel(tensor_model_parallel_size=t.tensor_parallel_size,
                                       pipeline_model_parallel_size=t.pipeline_parallel_size)
         if self.on_cpu:
@@ -267,7 +267,9 @@ class TrainerRank:
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
         from megatron.core import tensor_parallel
 
-        logits = logits[0, batch.logit_index].float()  # [N, vocab / TP]: the rows that predict response tokens
+        # [N, vocab / TP]: the rows that predict response tokens, at the sampling temperature
+        # (the engines report logprobs of the temperature-scaled distribution they sample from).
+        logits = logits[0, batch.logit_index].float() / self.cfg.rollout.temperature
         if forward_only:
             logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
             return torch.zeros((), device=logits.device), logp.detach().cpu()
