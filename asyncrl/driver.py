@@ -18,12 +18,13 @@ cleanup(): final evaluation, HF export, summary.json, every actor stopped (also 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
 import random
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,9 @@ class Driver:
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.hooks = load_recipe_hooks(cfg.recipe.module)
+        if cfg.run.resume_from:
+            self._resume(Path(cfg.run.resume_from))
+            return
         logger.info("ready in %.0fs (trainer: %s); evaluating the base policy", time.monotonic() - t0, trainer_info)
         self.base_eval = self._evaluate(with_pass_k=True, tag="eval-base")
         logger.info("base policy: %s", self.base_eval.summary())
@@ -287,14 +291,41 @@ class Driver:
     # == checkpoints and the end ===========================================================
 
     def save_checkpoint(self) -> str:
+        """Trainer state (megatron dist checkpoint), queue contents, prompt ledger, counters."""
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         queue_state = ray.get(self.queue.state.remote())
         extra = {"step": self.step, "version": self.version, "samples": self.samples,
-                 "admitted": self.staleness.admitted, "epoch": self._epoch, "cursor": self._cursor}
+                 "admitted": self.staleness.admitted, "epoch": self._epoch, "cursor": self._cursor,
+                 "base_eval": asdict(self.base_eval)}
         self.trainer.call("save_checkpoint", str(path), extra)
         (path / "queue.json").write_text(json.dumps(queue_state))
+        (path / "ledger.json").write_text(json.dumps({"states": self.ledger.states,
+                                                      "reasons": dict(self.ledger.reasons)}))
         logger.info("checkpoint: %s", path)
         return str(path)
+
+    def _resume(self, path: Path) -> None:
+        """Continue a run from `save_checkpoint`'s directory. Prompts that were generating when
+        it was saved (neither queued nor finished) start again from their prompt."""
+        extra = self.trainer.call("load_checkpoint", str(path))
+        self.step, self.version, self.samples = extra["step"], extra["version"], extra["samples"]
+        self.staleness.admitted = extra["admitted"]
+        self._epoch, self._cursor, self._order = extra["epoch"], extra["cursor"], self._shuffled(extra["epoch"])
+        self.base_eval = EvalResult(**extra["base_eval"])
+        queue_state = json.loads((path / "queue.json").read_text())
+        ray.get(self.queue.restore.remote(queue_state))
+        ledger = json.loads((path / "ledger.json").read_text())
+        self.ledger = PromptLedger(ledger["states"], collections.Counter(ledger["reasons"]))
+        self.sync.sync(self.version, self.cfg.algorithm.pause_mode)  # the engines get the restored weights
+        queued = {g["prompt_id"] for g in queue_state["groups"]}
+        by_id = {p.prompt_id: p for p in self._train_problems}
+        restart = [_problem_by_id(by_id, p) for p in sorted(self.ledger.running() - queued)]
+        if restart:
+            ray.get([w.submit.remote(restart[i::len(self.workers)]) for i, w in enumerate(self.workers)])
+        logger.info("resumed from %s: step %d, version %d, %d groups queued, %d prompts restarted",
+                    path, self.step, self.version, len(queued), len(restart))
+
+
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
@@ -352,6 +383,12 @@ class Driver:
             remove_placement_group(self.placement_group)
         if self._started_ray:
             ray.shutdown()
+
+
+def _problem_by_id(by_id: dict[str, Problem], prompt_id: str) -> Problem:
+    """The train problem behind a ledger id ("<id>" or "<id>#e<epoch>", see `_next_problem`)."""
+    base, _, epoch = prompt_id.partition("#e")
+    return by_id[base] if not epoch else replace(by_id[base], prompt_id=prompt_id)
 
 
 def _gauges(m: dict[str, Any]) -> dict[str, float]:

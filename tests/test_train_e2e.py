@@ -51,3 +51,24 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
     eta = {"sync_on_policy": 0, "one_step_off_policy": 1}.get(mode, 2)
     check_run(run_dir, eta)
+
+
+def test_a_run_resumes_from_its_checkpoint(tmp_path):
+    """Checkpoint at step 2 (trainer state, queue contents, ledger), then a new run continues
+    from it to step 4: every prompt is still accounted for."""
+    first = tmp_path / "first"
+    out = run_cli("train", *TINY, "trainer.checkpoint_every=2", f"run.output_dir={first}", cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    ckpt = first / "checkpoints" / "step_000002"
+    assert (ckpt / "trainer_state.pt").is_file() and (ckpt / "queue.json").is_file()
+    second = tmp_path / "second"
+    out = run_cli("train", *TINY, "trainer.total_steps=4", f"run.resume_from={ckpt}", f"run.output_dir={second}",
+                  cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["policy_version"] == 4
+    p = summary["prompts"]
+    assert p["admitted"] == p["running"] + p["trained"] + p["filtered"] + p["failed"]
+    assert p["trained"] + p["filtered"] == 4 * 4  # 2 steps before the checkpoint, 2 after
+    steps = [json.loads(x)["step"] for x in (second / "metrics.jsonl").read_text().splitlines()]
+    assert 3 in steps and 4 in steps and 1 not in steps

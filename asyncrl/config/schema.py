@@ -20,6 +20,9 @@ class RunConfig:
     seed: int = 0
     # Where metrics, checkpoints and the exported policy go. Empty: Hydra's run dir.
     output_dir: str = ""
+    # A checkpoint directory (RUN_DIR/checkpoints/step_N) to continue from: trainer state,
+    # queue contents, prompt ledger and counters; prompts that were generating are restarted.
+    resume_from: str = ""
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -96,6 +97,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
 
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
+    if c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
+        problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
+                        "(expected RUN_DIR/checkpoints/step_N with trainer_state.pt)")
     if c.model.tokenizer_path:
         _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
 
