@@ -17,7 +17,7 @@ COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy, generated with vLLM"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
-    "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout` | `asyncrl bench weight-sync`"),
+    "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async`"),
 }
 
 

@@ -57,6 +57,7 @@ class Driver:
         self.version = 0  # policy version: weight syncs so far
         self.step = 0
         self.samples = 0
+        self.train_s = 0.0  # seconds in the training loop so far
         self.engines: list = []
         self.workers: list = []
         self.queue = None
@@ -162,7 +163,11 @@ class Driver:
         t = cfg.trainer
         self._admit()
         last = {"time": time.monotonic(), "busy": self._engine_busy()}
+        started = last["time"]
         for step in range(self.step + 1, t.total_steps + 1):
+            if cfg.run.max_train_s and time.monotonic() - started >= cfg.run.max_train_s:
+                logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
+                break
             self.step = step
             t_wait = time.monotonic()
             groups, dropped = self._next_batch()
@@ -187,6 +192,7 @@ class Driver:
                 **self._rollout_metrics(), **ray.get(self.queue.metrics.remote()),
             })
             last = {"time": now, "busy": busy}
+            self.train_s = time.monotonic() - started
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
                 metrics.update(self._eval_metrics(self._evaluate(with_pass_k=False, tag=f"eval-{step}")))
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
@@ -338,7 +344,8 @@ class Driver:
             "recipe": self.cfg.recipe.name, "base_accuracy": self.base_eval.greedy_accuracy,
             "final_accuracy": self.final_eval.greedy_accuracy,
             "base_pass_at_k": self.base_eval.pass_at_k, "final_pass_at_k": self.final_eval.pass_at_k,
-            "wall_s": time.monotonic() - wall_start, "steps": self.step, "samples": self.samples,
+            "wall_s": time.monotonic() - wall_start, "train_s": self.train_s, "steps": self.step,
+            "samples": self.samples,
             "policy_version": self.version, "final_policy": export, "metrics": str(self.log.path),
             "prompts": self.ledger_counts(), "max_staleness": self.cfg.algorithm.max_staleness,
         }

@@ -24,7 +24,7 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync}" in out.stderr
+    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync,sync-vs-async}" in out.stderr
 
 
 def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
@@ -36,3 +36,20 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
     for key in ("sync_s", "raw_broadcast_s", "ratio", "stage_s", "load_s", "trainer_tokens_s"):
         assert result[key] > 0
     assert len(result["rounds_sync_s"]) == 2
+
+
+def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
+    out = run_cli("bench", "sync-vs-async", "recipe=arith", "bench.train_s=8", "algorithm.prompts_per_step=4",
+                  "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",
+                  "logging.wandb.enabled=false", "cluster.dashboard=false", f"run.output_dir={tmp_path / 'runs'}",
+                  cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "sync_vs_async" and result["train_s"] == 8
+    for key in ("sync_samples_per_s", "async_samples_per_s", "speedup"):
+        assert result[key] > 0
+    for key in ("async_trainer_idle", "async_engine_idle", "sync_accuracy", "async_accuracy"):
+        assert 0 <= result[key] <= 1
+    assert result["sync_steps"] >= 1 and result["async_steps"] >= 1
+    for mode in ("sync", "async"):
+        assert (tmp_path / "runs" / mode / "summary.json").is_file()

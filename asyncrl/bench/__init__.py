@@ -3,6 +3,7 @@ as one JSON object on the last line. Each compares against its baseline in the s
 
     rollout       the rollout path (worker -> agent loop -> engine actor) vs raw vLLM
     weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
+    sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncrl.config import CONF_DIR, validate_or_exit
 BENCHMARKS = {
     "rollout": "asyncrl.bench.rollout:run_rollout_bench",
     "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
+    "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
 }
 _selected: list[str] = []
 

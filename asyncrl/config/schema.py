@@ -23,6 +23,9 @@ class RunConfig:
     # A checkpoint directory (RUN_DIR/checkpoints/step_N) to continue from: trainer state,
     # queue contents, prompt ledger and counters; prompts that were generating are restarted.
     resume_from: str = ""
+    # Stop training after this many seconds of training (setup and final evaluation not
+    # counted), even before trainer.total_steps; 0: no limit.
+    max_train_s: float = 0.0
 
 
 @dataclass
@@ -184,6 +187,8 @@ class BenchConfig:
     # Untimed full rounds first: the first round through fresh Ray actors runs slower.
     warmup_rounds: int = 1
     trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
+    # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
+    train_s: float = 180.0
 
 
 @dataclass

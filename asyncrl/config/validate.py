@@ -97,6 +97,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
 
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
+    at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
+    at_least("bench.train_s", c.bench.train_s, 1)
     if c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
         problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
                         "(expected RUN_DIR/checkpoints/step_N with trainer_state.pt)")
