@@ -204,7 +204,14 @@ class Driver:
         """B groups from the queue; groups staler than eta are dropped (counted) so that no
         trained token ever exceeds the bound."""
         b = self.cfg.algorithm.prompts_per_step
-        groups = ray.get(self.queue.get.remote(b, self.version, self.cfg.trainer.dist_timeout_s))
+        timeout = self.cfg.trainer.dist_timeout_s
+        try:
+            groups = ray.get(self.queue.get.remote(b, self.version, timeout))
+        except (TimeoutError, ray.exceptions.RayTaskError) as e:
+            if not isinstance(e, TimeoutError) and not isinstance(getattr(e, "cause", None), TimeoutError):
+                raise
+            raise TrainingError(f"waited {timeout:g}s (trainer.dist_timeout_s) for {b} trajectory groups; "
+                                f"rollout: {self._rollout_metrics()}") from None
         fresh = []
         for g in groups:
             if self.staleness.is_fresh(g, self.version):
@@ -222,6 +229,7 @@ class Driver:
     def _admit(self) -> None:
         """Start as many new prompts as staleness control allows, spread over the workers."""
         room = self.staleness.admissible(self.version)
+        all_rejected = 0
         while room > 0:
             problems = [self._next_problem() for _ in range(room)]
             shares = [problems[i::len(self.workers)] for i in range(len(self.workers))]
@@ -233,8 +241,11 @@ class Driver:
                     self.ledger.finish(p.prompt_id, "failed", rejected[p.prompt_id].split(" ")[0])
             self.staleness.on_admitted(accepted, self.version)
             room = self.staleness.admissible(self.version)
-            if accepted == 0:  # every row rejected: keep going, the reasons are counted
-                logger.warning("all %d prompts of an admission were rejected", len(problems))
+            all_rejected = all_rejected + 1 if accepted == 0 else 0
+            if all_rejected == 3:  # the data (or the config) cannot produce a single usable prompt
+                reasons = collections.Counter(r.split(" ")[0] for r in rejected.values())
+                raise TrainingError(f"the rollout workers rejected every prompt of 3 admissions in a row "
+                                    f"({dict(reasons)}); e.g. {next(iter(rejected.values()), '')}")
 
     def _rejected_prompts(self) -> dict[str, str]:
         out: dict[str, str] = {}

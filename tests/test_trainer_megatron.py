@@ -100,6 +100,17 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
     assert all(torch.equal(w_loaded[k], w2[k]) for k in w2)
 
 
+def test_decoupled_ppo_with_several_updates_clips_against_the_policy_before_the_step(ray_cluster, tokenizer):
+    """With two updates per step, the second one's ratio pi_theta / pi_prox moves away from 1
+    (pi_prox is the policy before the step), so clipping can act; with one update it is exactly 1."""
+    groups = make_groups(tokenizer, seed=3)
+    base = ["algorithm.loss.type=decoupled_ppo", "trainer.lr=3e-3"]
+    one = run_trainer(base, lambda g: g.call("train_step", groups, 0))
+    two = run_trainer([*base, "trainer.mini_batches_per_step=2"], lambda g: g.call("train_step", groups, 0))
+    assert one["train/ratio_max"] == pytest.approx(1.0, abs=1e-5) and one["train/clip_fraction_mean"] == 0
+    assert two["train/ratio_max"] > 1.01
+
+
 def reference_loss_hf(model, samples) -> torch.Tensor:
     """The GRPO loss of asyncrl/algorithm/losses.py written out per token on an HF model."""
     total = torch.zeros(())

@@ -5,13 +5,15 @@ GPU) with tensor, pipeline and data parallel groups from `trainer.*_parallel_siz
 Every rank receives the same calls with the same arguments; ranks split the work
 among themselves (data parallel shards, tensor/pipeline parallel model parts).
 
-A train step (`train_step`), for each of `trainer.mini_batches_per_step` mini-batches:
-  1) trajectories -> samples with group advantages and aggregation weights (batch.py);
-  2) if needed, proximal logprobs pi_prox (weights before this step) and reference
-     logprobs, forward only;
-  3) forward + backward over packed micro-batches (gradient accumulation), the loss
-     from `asyncrl.algorithm.losses`;
-  4) data-parallel gradient all-reduce, clipping, optimizer step, LR schedule.
+A train step (`train_step`):
+  1) trajectories -> samples with group advantages (batch.py), split into
+     `trainer.mini_batches_per_step` optimizer updates, each with its aggregation weights,
+     data-parallel share and packed micro-batches;
+  2) if needed, forward only: proximal logprobs pi_prox (the weights before this step's
+     first update) and reference logprobs;
+  3) per update: forward + backward over the micro-batches (gradient accumulation), the
+     loss from `asyncrl.algorithm.losses`, then data-parallel gradient all-reduce,
+     clipping, optimizer step, LR schedule.
 Then the statistics of all ranks are reduced into one metrics dict.
 
 Weights leave the trainer in Hugging Face names (mbridge): broadcast to the engines
@@ -26,6 +28,7 @@ import logging
 import shutil
 import socket
 import time
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -89,6 +92,10 @@ class TrainerRank:
         """Join the trainer world, build the model from the HF checkpoint, the optimizer and schedule."""
         t0 = time.monotonic()
         t = self.cfg.trainer
+        # megatron-core warns about optional extras (Apex, TE, deprecated defaults) at every
+        # model build, on every rank: noise in a run's console, not actionable by users.
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        warnings.filterwarnings("ignore", message=r".*an autograd kernel was not registered.*")
         torch.distributed.init_process_group(
             "gloo" if self.on_cpu else "nccl", init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.dist_timeout_s))
@@ -186,21 +193,25 @@ class TrainerRank:
         loss_sum = 0.0  # the objective as the loss defines it (weights sum to 1 per update), averaged over updates
         grad_norms = []
         k = self.cfg.trainer.mini_batches_per_step
-        chunks = [step.samples[i::k] for i in range(k)] if step.samples else []
-        for mini in (c for c in chunks if c):
-            assign_weights(mini, lc.aggregation)
-            mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
-            batches = [pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)]
-            # pi_prox differs from pi_theta only after a first update within this step.
-            need_prox = lc.type == "decoupled_ppo" and k > 1
+        updates = []  # per optimizer update: this rank's packed micro-batches
+        for mini in (step.samples[i::k] for i in range(k)):
+            if mini:
+                assign_weights(mini, lc.aggregation)
+                mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
+                updates.append([pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
+        # pi_prox is the policy before this step's first update. With one update the forward
+        # pass that computes pi_theta gives it; with several it is computed up front.
+        need_prox = lc.type == "decoupled_ppo" and len(updates) > 1
+        for batches in updates:
             for b in batches:
                 b.prox = self._logprobs(self.model, b) if need_prox else None
                 b.ref = self._logprobs(self.ref_model, b) if self.ref_model is not None else None
+        for batches in updates:
             outputs, grad_norm = self._update(batches)
             grad_norms.append(grad_norm)
             for out in outputs:
                 tokens += out.tokens
-                loss_sum += float(out.loss.detach()) / len(chunks)
+                loss_sum += float(out.loss.detach()) / len(updates)
                 for name, v in out.sums.items():
                     stats[name] = stats.get(name, 0.0) + v
                 for name, v in out.maxima.items():
