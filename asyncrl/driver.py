@@ -17,7 +17,6 @@ cleanup(): final evaluation, HF export, summary.json, every actor stopped (also 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
@@ -32,10 +31,9 @@ import ray
 
 from asyncrl.config.schema import Config
 from asyncrl.engine.engine_actor import EngineActor, engine_options
-from asyncrl.evaluate import EvalResult, evaluate_with_engines
+from asyncrl.evaluate import EvalResult, evaluate_with_workers
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.queue.message_queue import MessageQueue, message_queue_options
-from asyncrl.recipe_hooks import load_recipe_hooks
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.sync.weight_sync import WeightSync
@@ -101,15 +99,11 @@ class Driver:
         self.heldout = source.heldout[: cfg.eval.num_problems]
         self._train_problems = source.train
         self._epoch, self._cursor, self._order = 0, 0, self._shuffled(0)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        self.hooks = load_recipe_hooks(cfg.recipe.module)
         if cfg.run.resume_from:
             self._resume(Path(cfg.run.resume_from))
             return
         logger.info("ready in %.0fs (trainer: %s); evaluating the base policy", time.monotonic() - t0, trainer_info)
-        self.base_eval = self._evaluate(with_pass_k=True, tag="eval-base")
+        self.base_eval = self._evaluate(with_pass_k=True)
         logger.info("base policy: %s", self.base_eval.summary())
         self.log.log(0, {**self._eval_metrics(self.base_eval), "setup_s": time.monotonic() - t0})
 
@@ -194,7 +188,7 @@ class Driver:
             last = {"time": now, "busy": busy}
             self.train_s = time.monotonic() - started
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
-                metrics.update(self._eval_metrics(self._evaluate(with_pass_k=False, tag=f"eval-{step}")))
+                metrics.update(self._eval_metrics(self._evaluate(with_pass_k=False)))
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
                 self.save_checkpoint()
             self.log.log(step, metrics)
@@ -295,9 +289,8 @@ class Driver:
         out["rollout/failures"] = reasons
         return out
 
-    def _evaluate(self, with_pass_k: bool, tag: str) -> EvalResult:
-        return asyncio.run(evaluate_with_engines(self.cfg, self.engines, self.heldout, self.tokenizer, self.hooks,
-                                                 with_pass_k=with_pass_k, tag=tag))
+    def _evaluate(self, with_pass_k: bool) -> EvalResult:
+        return evaluate_with_workers(self.cfg, self.workers, self.heldout, with_pass_k=with_pass_k)
 
     @staticmethod
     def _eval_metrics(result: EvalResult) -> dict[str, float]:
@@ -346,7 +339,7 @@ class Driver:
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
-        self.final_eval = self._evaluate(with_pass_k=True, tag="eval-final")
+        self.final_eval = self._evaluate(with_pass_k=True)
         self.log.log(self.step, self._eval_metrics(self.final_eval))
         export = self.trainer.call("export_hf", str(self.run_dir / "final_policy"))
         if self.cfg.trainer.checkpoint_every:
@@ -367,8 +360,10 @@ class Driver:
         """Every admitted prompt in exactly one state; running ones are where the workers and queue say."""
         counts = self.ledger.counts()
         running = self.ledger.running()
-        in_queue = {g["prompt_id"] for g in ray.get(self.queue.state.remote())["groups"]}
+        # Workers first, then the queue: a group moving from one to the other meanwhile is
+        # then seen twice rather than missed (it leaves a worker only once it is queued).
         in_workers = {p for ps in ray.get([w.pending_prompts.remote() for w in self.workers]) for p in ps}
+        in_queue = {g["prompt_id"] for g in ray.get(self.queue.state.remote())["groups"]}
         unaccounted = running - in_queue - in_workers
         if unaccounted:
             raise TrainingError(f"invariant broken: {len(unaccounted)} running prompts are neither queued nor in "

@@ -10,7 +10,6 @@ eval.temperature) and writes them to eval.json in the run directory.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -49,6 +48,8 @@ class EvalResult:
 
 def evaluate(cfg: Config) -> EvalResult:
     """Greedy accuracy and pass@k of `cfg.model.path` on the first `eval.num_problems` held-out problems."""
+    if cfg.rollout.agent_loop != "partial_single_turn":
+        return _evaluate_with_agent_loop(cfg)
     t0 = time.time()
     configure_vllm_env(cfg.engine, cfg.cluster.device)
     from vllm import LLM, SamplingParams  # after configure_vllm_env: vLLM reads the env at import
@@ -93,32 +94,51 @@ def score_eval(cfg: Config, problems: list, hooks, greedy: list[str], sampled: l
     )
 
 
-async def evaluate_with_engines(cfg: Config, engines: list, problems: list, tokenizer, hooks,
-                                with_pass_k: bool = True, tag: str = "eval") -> EvalResult:
-    """The same evaluation through running EngineActors (during training): one greedy sample
-    per problem and, with `with_pass_k`, eval.n_samples sampled ones, spread over the engines."""
-    from asyncrl.types import SamplingSpec
+def evaluate_with_workers(cfg: Config, workers: list, problems: list, with_pass_k: bool = True) -> EvalResult:
+    """The same evaluation during training, through the rollout workers: each problem runs
+    the recipe's agent loop (tool calls included) on the running engines, once greedily and,
+    with `with_pass_k`, eval.n_samples times at eval.temperature."""
+    import ray
 
     t0 = time.time()
-    max_tokens = cfg.rollout.max_new_tokens
-    greedy_spec = SamplingSpec(max_new_tokens=max_tokens, temperature=0.0)
-    sample_spec = SamplingSpec(max_new_tokens=max_tokens, temperature=cfg.eval.temperature)
     n = cfg.eval.n_samples if with_pass_k else 0
-    refs, counter = [], 0
-    for i, p in enumerate(problems):
-        ids = tokenizer.encode(p.prompt)
-        for j, spec in enumerate([greedy_spec] + [sample_spec] * n):
-            refs.append(engines[counter % len(engines)].generate.remote(ids, spec, f"{tag}-{i}-{j}"))
-            counter += 1
-    outs = await asyncio.gather(*refs)
-    texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]
-    per = 1 + n
-    greedy = texts[0::per]
-    sampled = [texts[i * per + 1:(i + 1) * per] for i in range(len(problems))]
-    result = score_eval(cfg, problems, hooks, greedy, sampled if n else [[] for _ in problems],
-                        [len(o.token_ids) for k, o in enumerate(outs) if k % per], "engines", t0)
-    if not n:
-        result.pass_at_k = {}
+    shares = [problems[i::len(workers)] for i in range(len(workers))]
+    per_worker = ray.get([w.evaluate.remote(share, n, cfg.eval.temperature) for w, share in zip(workers, shares)])
+    results = {}
+    for share, outs in zip(shares, per_worker):
+        results.update({p.prompt_id: o for p, o in zip(share, outs)})
+    ordered = [results[p.prompt_id] for p in problems]
+    correct_counts = [sum(r >= 1.0 for r in o["sampled"]) for o in ordered]
+    tokens = [t for o in ordered for t in o["tokens"]]
+    return EvalResult(
+        model="policy in training", num_problems=len(problems),
+        greedy_accuracy=sum(o["greedy"] >= 1.0 for o in ordered) / len(problems),
+        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(problems) for k in cfg.eval.pass_k}
+        if n else {},
+        n_samples=n, temperature=cfg.eval.temperature,
+        mean_response_tokens=sum(tokens) / max(1, len(tokens)), seconds=time.time() - t0)
+
+
+def _evaluate_with_agent_loop(cfg: Config) -> EvalResult:
+    """Recipes whose loop does more than generate once (tool calls) run it for real: one
+    engine actor and one rollout worker in a local Ray cluster."""
+    import ray
+
+    from asyncrl.engine.engine_actor import EngineActor, engine_options
+    from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
+
+    problems = TaskSource(cfg.data).heldout[: cfg.eval.num_problems]
+    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
+            0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+        ray.get(engine.start.remote())
+        worker = ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, 0)).remote(0, cfg, [engine])
+        result = evaluate_with_workers(cfg, [worker], problems)
+        ray.get(engine.shutdown.remote())
+    finally:
+        ray.shutdown()
+    result.model = cfg.model.path
     return result
 
 

@@ -131,6 +131,28 @@ class RolloutWorker:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    async def evaluate(self, problems: list[Problem], n_sampled: int, temperature: float) -> list[dict[str, Any]]:
+        """Run each problem's agent loop once greedily and `n_sampled` times at `temperature`,
+        outside training (no groups, never interrupted). Returns per problem the rewards and
+        the response token counts: {"greedy": r, "sampled": [r, ...], "tokens": [n, ...]}."""
+        async def one(problem: Problem, temp: float, tag: str) -> tuple[float, int]:
+            ids = self.tokenizer.encode(problem.prompt)
+            spec = SamplingSpec(max_new_tokens=self.sampling.max_new_tokens, temperature=temp,
+                                top_p=self.sampling.top_p, stop=list(self.sampling.stop))
+            loop = get_agent_loop(problem.agent_loop or self.cfg.rollout.agent_loop)(
+                self.router.client(), self.tokenizer, spec, self.cfg.engine.max_model_len)
+            outcome = await loop.run(Trajectory(problem.prompt_id, tag, ids))
+            traj = outcome.trajectory
+            await self._score(problem, traj)
+            return traj.reward, sum(traj.loss_mask)
+
+        jobs = [one(p, t, f"eval-{p.prompt_id}-{j}") for p in problems
+                for j, t in enumerate([0.0] + [temperature] * n_sampled)]
+        results = await asyncio.gather(*jobs)
+        per = 1 + n_sampled
+        return [{"greedy": results[i * per][0], "sampled": [r for r, _ in results[i * per + 1:(i + 1) * per]],
+                 "tokens": [n for _, n in results[i * per:(i + 1) * per]]} for i in range(len(problems))]
+
     def pending_prompts(self) -> list[str]:
         """Prompt ids of admitted groups not yet emitted (generating, waiting or snapshotted)."""
         return [g.problem.prompt_id for g in self._pending.values()]
