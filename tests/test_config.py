@@ -116,3 +116,13 @@ def test_cli_help_lists_the_config_groups(tmp_path):
         assert f"{group}:" in out.stdout
     top = run_cli("--help", cwd=tmp_path)
     assert "train" in top.stdout and "eval" in top.stdout
+
+
+def test_arith_tool_recipe_extends_arith_with_the_tool_loop(base_model):
+    from recipes.arith_tool import extract_answer
+
+    arith, tool = load_config(["recipe=arith"]), load_config(["recipe=arith_tool"])
+    assert tool.rollout.agent_loop == "partial_tool" and tool.recipe.module == "recipes.arith_tool"
+    assert tool.data == arith.data and tool.model.path.endswith("recipes/arith_tool/base_model")
+    assert extract_answer("<tool:calculator>3 + 4</tool><result>7</result>7\nmore") == "7"
+    assert extract_answer("-12") == "-12"

@@ -13,15 +13,18 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
-TINY = ["recipe=arith", "trainer.total_steps=3", "algorithm.prompts_per_step=4", "algorithm.n_samples_per_prompt=4",
+TINY_SETTINGS = ["trainer.total_steps=3", "algorithm.prompts_per_step=4", "algorithm.n_samples_per_prompt=4",
         "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]", "eval.every_steps=2",
         "logging.progress_bar=false", "logging.wandb.enabled=false", "cluster.dashboard=false"]
+TINY = ["recipe=arith", *TINY_SETTINGS]
 
 MODES = {
     "sync_on_policy": ["algorithm=sync"],
     "one_step_off_policy": ["algorithm.max_staleness=1", "algorithm.partial_rollout=false"],
     "async_abort_resume": ["algorithm.max_staleness=2", "algorithm.pause_mode=abort"],
     "async_keep": ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo"],
+    # arith_tool: the partial_tool loop (calculator calls, tool tokens masked) in training and evaluation
+    "tool_loop": ["algorithm.max_staleness=1"],
 }
 
 
@@ -46,10 +49,12 @@ def check_run(run_dir: Path, eta: int) -> dict:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
     run_dir = tmp_path / "run"
-    out = run_cli("train", *TINY, *MODES[mode], f"run.output_dir={run_dir}", cwd=tmp_path, timeout=900)
+    recipe = ["recipe=arith_tool"] if mode == "tool_loop" else ["recipe=arith"]
+    out = run_cli("train", *recipe, *TINY_SETTINGS, *MODES[mode], f"run.output_dir={run_dir}", cwd=tmp_path,
+                  timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
-    eta = {"sync_on_policy": 0, "one_step_off_policy": 1}.get(mode, 2)
+    eta = {"sync_on_policy": 0, "one_step_off_policy": 1, "tool_loop": 1}.get(mode, 2)
     check_run(run_dir, eta)
 
 
