@@ -63,6 +63,7 @@ class EngineActor:
         self._outstanding: set[str] = set()
         self._busy_s = 0.0  # total time with at least one request outstanding (for idle ratios)
         self._busy_since = 0.0
+        self._plan_wire: list | None = None  # the trainer's bucket plan, once this engine joined its group
         self._expected_weights = _checkpoint_tensor_specs(model_path)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -183,10 +184,14 @@ class EngineActor:
     async def receive_weights(self, version: int) -> dict[str, Any]:
         """Receive the trainer's broadcast into every worker (the engine must be paused) and
         become `version`. Returns seconds taken and the per-tensor checksums received."""
+        if self._plan_wire is None:
+            raise RuntimeError(f"engine-{self.engine_id}: receive_weights before init_weight_group")
         t0 = time.monotonic()
         results = await self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
-        self.version = version
         worker = results[0]
+        if any(r["checksums"] != worker["checksums"] for r in results[1:]):
+            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
+        self.version = version
         return {"seconds": time.monotonic() - t0, "receive_s": worker["receive_s"], "load_s": worker["load_s"],
                 "checksums": worker["checksums"]}
 
