@@ -171,7 +171,8 @@ class Driver:
             for g in groups:
                 reason = group_filter_reason(g, cfg.algorithm.loss)
                 self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
-            self.samples += sum(len(g.trajectories) for g in groups)
+            step_samples = sum(len(g.trajectories) for g in groups)
+            self.samples += step_samples
             if step % cfg.algorithm.sync_every_steps == 0:
                 metrics.update(self._sync())
             self._admit()
@@ -179,7 +180,7 @@ class Driver:
             elapsed = now - last["time"]
             metrics.update({
                 "policy/version": self.version, "batch/dropped_stale": dropped,
-                "throughput/samples_per_s": sum(len(g.trajectories) for g in groups) / elapsed,
+                "throughput/samples_per_s": step_samples / elapsed,
                 "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
                 "idle/engines": 1 - min(1.0, (busy - last["busy"]) / (elapsed * len(self.engines))),
                 "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,

@@ -67,26 +67,24 @@ def evaluate(cfg: Config) -> EvalResult:
     sampled = llm.generate(prompts, SamplingParams(n=cfg.eval.n_samples, temperature=cfg.eval.temperature,
                                                    max_tokens=max_tokens))
 
-    return score_eval(cfg, problems, hooks, [out.outputs[0].text for out in greedy],
-                      [[o.text for o in out.outputs] for out in sampled],
-                      [len(o.token_ids) for out in sampled for o in out.outputs], cfg.model.path, t0)
+    return eval_result(cfg, cfg.model.path, t0,
+                       greedy=[hooks.reward(p, out.outputs[0].text) for p, out in zip(problems, greedy)],
+                       sampled=[[hooks.reward(p, o.text) for o in out.outputs] for p, out in zip(problems, sampled)],
+                       token_counts=[len(o.token_ids) for out in sampled for o in out.outputs])
 
 
-def score_eval(cfg: Config, problems: list, hooks, greedy: list[str], sampled: list[list[str]],
-               token_counts: list[int], model: str, t0: float) -> EvalResult:
-    """Greedy accuracy and unbiased pass@k from the texts generated for each problem."""
-
-    def correct(problem, text: str) -> bool:
-        return hooks.reward(problem, text) >= 1.0
-
-    greedy_hits = sum(correct(p, text) for p, text in zip(problems, greedy))
-    correct_counts = [sum(correct(p, text) for text in texts) for p, texts in zip(problems, sampled)]
-    n = cfg.eval.n_samples
+def eval_result(cfg: Config, model: str, t0: float, greedy: list[float], sampled: list[list[float]],
+                token_counts: list[int]) -> EvalResult:
+    """Greedy accuracy and unbiased pass@k from each problem's rewards (a sample counts as
+    correct at reward 1.0); no pass@k when no sampled rewards were collected."""
+    n = len(sampled[0]) if sampled else 0
+    correct_counts = [sum(r >= 1.0 for r in rewards) for rewards in sampled]
     return EvalResult(
         model=model,
-        num_problems=len(problems),
-        greedy_accuracy=greedy_hits / len(problems),
-        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(problems) for k in cfg.eval.pass_k},
+        num_problems=len(greedy),
+        greedy_accuracy=sum(r >= 1.0 for r in greedy) / len(greedy),
+        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(greedy) for k in cfg.eval.pass_k}
+        if n else {},
         n_samples=n,
         temperature=cfg.eval.temperature,
         mean_response_tokens=sum(token_counts) / max(1, len(token_counts)),
@@ -108,15 +106,9 @@ def evaluate_with_workers(cfg: Config, workers: list, problems: list, with_pass_
     for share, outs in zip(shares, per_worker):
         results.update({p.prompt_id: o for p, o in zip(share, outs)})
     ordered = [results[p.prompt_id] for p in problems]
-    correct_counts = [sum(r >= 1.0 for r in o["sampled"]) for o in ordered]
-    tokens = [t for o in ordered for t in o["tokens"]]
-    return EvalResult(
-        model="policy in training", num_problems=len(problems),
-        greedy_accuracy=sum(o["greedy"] >= 1.0 for o in ordered) / len(problems),
-        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_counts) / len(problems) for k in cfg.eval.pass_k}
-        if n else {},
-        n_samples=n, temperature=cfg.eval.temperature,
-        mean_response_tokens=sum(tokens) / max(1, len(tokens)), seconds=time.time() - t0)
+    return eval_result(cfg, "policy in training", t0, greedy=[o["greedy"] for o in ordered],
+                       sampled=[o["sampled"] for o in ordered] if n else [],
+                       token_counts=[t for o in ordered for t in o["tokens"]])
 
 
 def _evaluate_with_agent_loop(cfg: Config) -> EvalResult:

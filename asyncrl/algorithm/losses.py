@@ -78,9 +78,9 @@ def policy_loss(
     if settings.type not in LOSS_TYPES:
         raise ValueError(f"loss type {settings.type!r}: valid are {LOSS_TYPES}")
     if settings.type == "tis":
-        w = torch.exp(logp.detach() - mu).clamp(max=cap)
-        per_token = -w * advantages * logp
         ratio = torch.exp(logp.detach() - mu)
+        w = ratio.clamp(max=cap)
+        per_token = -w * advantages * logp
         sums["is_weight_truncated"] = float(((ratio > cap) & trained).sum())
         clipped = torch.zeros_like(trained)
     else:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import safetensors.torch
 import torch
 
-from asyncrl.sync.collective import BucketPlan, create_group, receive_buckets
+from asyncrl.sync.collective import BucketPlan, broadcast_raw, create_group, receive_buckets
 
 
 class WeightLoaderExtension:
@@ -57,8 +57,6 @@ class WeightLoaderExtension:
 
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
-        from asyncrl.sync.collective import broadcast_raw
-
         broadcast_raw(self._asyncrl_group, BucketPlan.from_wire(plan_wire), self.device)
 
     def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -80,7 +80,3 @@ def build_gpt_model(bridge, device: torch.device) -> list[torch.nn.Module]:
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     return [model.to(device)]
 
-
-def export_hf_weights(bridge, chunks: list[torch.nn.Module]):
-    """(HF name, full tensor) pairs. Every rank must drain it: it runs collectives."""
-    yield from bridge.export_weights(chunks)

@@ -192,13 +192,7 @@ class TrainerRank:
         tokens = 0
         loss_sum = 0.0  # the objective as the loss defines it (weights sum to 1 per update), averaged over updates
         grad_norms = []
-        k = self.cfg.trainer.mini_batches_per_step
-        updates = []  # per optimizer update: this rank's packed micro-batches
-        for mini in (step.samples[i::k] for i in range(k)):
-            if mini:
-                assign_weights(mini, lc.aggregation)
-                mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
-                updates.append([pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
+        updates = self._packed_updates(step.samples)
         # pi_prox is the policy before this step's first update. With one update the forward
         # pass that computes pi_theta gives it; with several it is computed up front.
         need_prox = lc.type == "decoupled_ppo" and len(updates) > 1
@@ -230,6 +224,17 @@ class TrainerRank:
         metrics["train/tokens_per_s"] = metrics["train/tokens"] / max(metrics["train/step_s"], 1e-9)
         metrics["train/step"] = self.step
         return metrics
+
+    def _packed_updates(self, samples: list) -> list[list[PackedBatch]]:
+        """Per optimizer update: its aggregation weights, this rank's share, packed micro-batches."""
+        k, aggregation = self.cfg.trainer.mini_batches_per_step, self.cfg.algorithm.loss.aggregation
+        updates = []
+        for mini in (samples[i::k] for i in range(k)):
+            if mini:
+                assign_weights(mini, aggregation)
+                mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
+                updates.append([pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
+        return updates
 
     def _update(self, batches: list[PackedBatch]) -> tuple[list[LossOutput], float]:
         """Forward + backward over the micro-batches, then one optimizer step."""
@@ -334,11 +339,8 @@ class TrainerRank:
         lets tests compare the whole loss path against a reference implementation (TP=1)."""
         if self.tp_size > 1 or self.dp_size > 1:
             raise NotImplementedError("embedding_grad is for single-rank checks")
-        step = build_samples(groups, self.cfg.algorithm.loss)
-        assign_weights(step.samples, self.cfg.algorithm.loss.aggregation)
-        batches = [pack(mb) for mb in micro_batches(step.samples, self.cfg.trainer.micro_batch_size)]
-        for b in batches:
-            b.prox, b.ref = None, None
+        batches = [b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
+                   for b in update]
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -348,9 +350,8 @@ class TrainerRank:
     # -- weights out -----------------------------------------------------------------
 
     def _export(self):
-        from asyncrl.trainer.hf_bridge import export_hf_weights
-
-        return export_hf_weights(self.bridge, [m.module for m in self.model])
+        """(HF name, full tensor) pairs; every rank must drain it (mbridge gathers TP shards)."""
+        return self.bridge.export_weights([m.module for m in self.model])
 
     def _export_specs(self) -> list[tuple[str, str, list[int]]]:
         return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in self._export()]
