@@ -16,6 +16,7 @@ REQUIRES = [
     "safetensors",
     "wandb",
     "reasoning-gym",
+    "datasets",  # dataset agents read local jsonl / parquet / arrow files
     "fastapi",
     "uvicorn",
     "httpx",

@@ -2,11 +2,11 @@
 
 An agent loop drives one trajectory through the engine: it generates, may call tools,
 and can be stopped in any state and resumed later from an `AgentLoopSnapshot`. Loops
-depend on `asyncrl.types` and the engine-client protocol, never on the actors. A loop
+depend on `asyncrl.types` and the inference interface, never on the actors. A loop
 class registers itself by name; configs and dataset rows choose loops by name.
 """
 
-from agent_loops import partial_single_turn, partial_tool  # noqa: F401  (registers the loops)
+from agent_loops import multi_turn, partial_single_turn, partial_tool  # noqa: F401  (registers the loops)
 from agent_loops.base import AgentLoop, LoopOutcome
 from agent_loops.registry import get_agent_loop, register_agent_loop, registered_agent_loops
 

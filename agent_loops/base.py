@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any
 
-from asyncrl.engine.client import EngineClient
+from asyncrl.engine.inference import InferenceInterface
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, SamplingSpec, Segment, Trajectory, TrajectoryStatus
 
 _request_counter = itertools.count()
@@ -35,18 +35,20 @@ class LoopOutcome:
 
 
 class AgentLoop(ABC):
-    """Base class: holds the engine client, the tokenizer and the sampling settings."""
+    """Base class: holds the inference interface, the tokenizer and the sampling settings."""
 
     name: str = ""
     initial_state: str = "generating"
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
-                 interrupt: asyncio.Event | None = None):
+    def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
+                 interrupt: asyncio.Event | None = None, env: Any = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.max_model_len = max_model_len
         self.interrupt = interrupt or asyncio.Event()
+        # The problem's environment, for loops that ask it for observations (multi-turn).
+        self.env = env
 
     async def run(self, trajectory: Trajectory) -> LoopOutcome:
         """Start on a trajectory holding only the prompt."""
@@ -71,7 +73,7 @@ class AgentLoop(ABC):
         t = snapshot.trajectory
         sampling = replace(self.sampling, max_new_tokens=self.budget(snapshot), **overrides)
         request_id = f"{t.prompt_id}:{t.group_id}:{next(_request_counter)}"
-        result = await self.engine.generate(t.prompt_token_ids + t.response_token_ids, sampling, request_id)
+        result = await self.engine.agenerate(t.prompt_token_ids + t.response_token_ids, sampling, request_id)
         if result.token_ids:
             t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
         return result

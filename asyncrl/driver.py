@@ -21,14 +21,14 @@ import collections
 import json
 import logging
 import os
-import random
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.engine.engine_actor import EngineActor, engine_options
 from asyncrl.evaluate import EvalResult, evaluate_with_workers
@@ -37,7 +37,6 @@ from asyncrl.queue.message_queue import MessageQueue, message_queue_options
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.sync.weight_sync import WeightSync
-from asyncrl.tasks import Problem, TaskSource
 from asyncrl.trainer.batch import group_filter_reason
 from asyncrl.trainer.trainer_group import TrainerGroup
 
@@ -95,10 +94,8 @@ class Driver:
                                cfg.trainer.dist_timeout_s)
         self.sync.connect()
 
-        source = TaskSource(cfg.data)
-        self.heldout = source.heldout[: cfg.eval.num_problems]
-        self._train_problems = source.train
-        self._epoch, self._cursor, self._order = 0, 0, self._shuffled(0)
+        self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
+        self.heldout = self.agents.heldout(cfg.eval.num_problems)
         if cfg.run.resume_from:
             self._resume(Path(cfg.run.resume_from))
             return
@@ -189,7 +186,7 @@ class Driver:
             last = {"time": now, "busy": busy}
             self.train_s = time.monotonic() - started
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
-                metrics.update(self._eval_metrics(self._evaluate(with_pass_k=False)))
+                metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
             if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
                 self.save_checkpoint()
             self.log.log(step, metrics)
@@ -226,7 +223,7 @@ class Driver:
         room = self.staleness.admissible(self.version)
         all_rejected = 0
         while room > 0:
-            problems = [self._next_problem() for _ in range(room)]
+            problems = [self.agents.next_problem() for _ in range(room)]
             shares = [problems[i::len(self.workers)] for i in range(len(self.workers))]
             accepted = sum(ray.get([w.submit.remote(s) for w, s in zip(self.workers, shares) if s]))
             rejected = self._rejected_prompts()
@@ -247,20 +244,6 @@ class Driver:
         for stats in ray.get([w.get_stats.remote() for w in self.workers]):
             out.update(stats["failed_prompts"])
         return out
-
-    def _next_problem(self) -> Problem:
-        if self._cursor == len(self._order):
-            self._epoch, self._cursor = self._epoch + 1, 0
-            self._order = self._shuffled(self._epoch)
-        p = self._train_problems[self._order[self._cursor]]
-        self._cursor += 1
-        # Each admission of a problem is its own prompt in the ledger.
-        return p if self._epoch == 0 else replace(p, prompt_id=f"{p.prompt_id}#e{self._epoch}")
-
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self._train_problems)))
-        random.Random(self.cfg.run.seed * 1000 + epoch).shuffle(order)
-        return order
 
     def _sync(self) -> dict[str, float]:
         """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops."""
@@ -291,12 +274,14 @@ class Driver:
         return out
 
     def _evaluate(self, with_pass_k: bool) -> EvalResult:
-        return evaluate_with_workers(self.cfg, self.workers, self.heldout, with_pass_k=with_pass_k)
+        return evaluate_with_workers(self.cfg, self.workers, self.agents, self.heldout, with_pass_k=with_pass_k)
 
     @staticmethod
     def _eval_metrics(result: EvalResult) -> dict[str, float]:
         out = {"eval/greedy_accuracy": result.greedy_accuracy, "eval/seconds": result.seconds}
         out.update({f"eval/pass@{k}": v for k, v in result.pass_at_k.items()})
+        if len(result.per_env) > 1:
+            out.update({f"eval/{env}/{k}": v for env, m in result.per_env.items() for k, v in m.items()})
         return out
 
     # == checkpoints and the end ===========================================================
@@ -306,9 +291,10 @@ class Driver:
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         queue_state = ray.get(self.queue.state.remote())
         extra = {"step": self.step, "version": self.version, "samples": self.samples,
-                 "admitted": self.staleness.admitted, "epoch": self._epoch, "cursor": self._cursor,
+                 "admitted": self.staleness.admitted, "problem_stream": self.agents.state(),
                  "base_eval": asdict(self.base_eval)}
         self.trainer.call("save_checkpoint", str(path), extra)
+        self.trainer.call("export_hf", str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
         (path / "queue.json").write_text(json.dumps(queue_state))
         (path / "ledger.json").write_text(json.dumps({"states": self.ledger.states,
                                                       "reasons": dict(self.ledger.reasons)}))
@@ -321,7 +307,7 @@ class Driver:
         extra = self.trainer.call("load_checkpoint", str(path))
         self.step, self.version, self.samples = extra["step"], extra["version"], extra["samples"]
         self.staleness.admitted = extra["admitted"]
-        self._epoch, self._cursor, self._order = extra["epoch"], extra["cursor"], self._shuffled(extra["epoch"])
+        self.agents.restore(extra["problem_stream"])
         self.base_eval = EvalResult(**extra["base_eval"])
         queue_state = json.loads((path / "queue.json").read_text())
         ray.get(self.queue.restore.remote(queue_state))
@@ -329,8 +315,7 @@ class Driver:
         self.ledger = PromptLedger(ledger["states"], collections.Counter(ledger["reasons"]))
         self.sync.sync(self.version, self.cfg.algorithm.pause_mode)  # the engines get the restored weights
         queued = {g["prompt_id"] for g in queue_state["groups"]}
-        by_id = {p.prompt_id: p for p in self._train_problems}
-        restart = [_problem_by_id(by_id, p) for p in sorted(self.ledger.running() - queued)]
+        restart = [self.agents.problem_by_id(p) for p in sorted(self.ledger.running() - queued)]
         if restart:
             ray.get([w.submit.remote(restart[i::len(self.workers)]) for i, w in enumerate(self.workers)])
         logger.info("resumed from %s: step %d, version %d, %d groups queued, %d prompts restarted",
@@ -397,12 +382,6 @@ class Driver:
             remove_placement_group(self.placement_group)
         if self._started_ray:
             ray.shutdown()
-
-
-def _problem_by_id(by_id: dict[str, Problem], prompt_id: str) -> Problem:
-    """The train problem behind a ledger id ("<id>" or "<id>#e<epoch>", see `_next_problem`)."""
-    base, _, epoch = prompt_id.partition("#e")
-    return by_id[base] if not epoch else replace(by_id[base], prompt_id=prompt_id)
 
 
 def _gauges(m: dict[str, Any]) -> dict[str, float]:

@@ -31,7 +31,8 @@ class Problem:
     prompt: str  # the question formatted with the recipe's prompt template
     answer: str
     entry: dict[str, Any] = field(repr=False, default_factory=dict)  # reasoning-gym's item, for its scorer
-    agent_loop: str = ""  # the loop for this row; empty: the config's rollout.agent_loop
+    agent_loop: str = ""  # the loop for this row; empty: the agent's (or rollout.agent_loop)
+    env_id: str = ""  # the agent (environment) the problem belongs to: its reward, its loop
 
 
 class TaskSource:
@@ -76,8 +77,20 @@ class TaskSource:
 
 
 def score_answer(problem: Problem, answer_text: str) -> float:
-    """The task's own scorer: 1.0 for a correct answer, 0.0 otherwise (some tasks give partial credit)."""
+    """A reasoning-gym problem: the task's own scorer (1.0 correct, 0.0 wrong, some tasks give
+    partial credit). A problem from a file: 1.0 when the answer matches the reference."""
+    if not problem.task:
+        return float(answers_match(answer_text, problem.answer))
     return float(_scorer(problem.task)(answer_text.strip(), problem.entry))
+
+
+def answers_match(answer: str, reference: str) -> bool:
+    """Equal as numbers when both are numbers ("1,000" == "1000.0"), else as stripped strings."""
+    a, r = answer.strip().rstrip("."), reference.strip().rstrip(".")
+    try:
+        return float(a.replace(",", "")) == float(r.replace(",", ""))
+    except ValueError:
+        return a == r
 
 
 @functools.cache

@@ -53,10 +53,9 @@ def test_tool_output_is_cut_to_the_budget(tokenizer):
     assert t.num_response_tokens == 20 and len(t.segments[-1]) == 5
 
 
-def test_a_worker_refuses_an_unknown_default_loop_at_start(base_model):
-    from asyncrl.config import load_config
-    from asyncrl.rollout.worker import RolloutWorker
+def test_config_validation_refuses_an_unknown_default_loop(base_model):
+    from asyncrl.config import ConfigError, load_config
 
-    cfg = load_config(["rollout.agent_loop=no_such_loop"])
-    with pytest.raises(ValueError, match="rollout.agent_loop='no_such_loop': unknown agent loop"):
-        RolloutWorker(0, cfg, engines=[])
+    with pytest.raises(ConfigError, match="rollout.agent_loop='no_such_loop': not a registered agent loop; "
+                                          "registered: multi_turn, partial_single_turn, partial_tool"):
+        load_config(["rollout.agent_loop=no_such_loop"])

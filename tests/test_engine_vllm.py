@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_loops import get_agent_loop
+from asyncrl.engine.inference import InferenceInterface
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import ray_engines
 
@@ -21,13 +22,13 @@ PROMPTS = ["Calculate 5 - 3 + 2.\nAnswer: ", "Calculate -( 4 + 7 ) - 1.\nAnswer:
            "Calculate 9 + 8 - 6 + 1.\nAnswer: "]
 
 
-class RayEngineClient:
-    """The engine-client protocol over a Ray actor handle (what the rollout worker hands loops)."""
+class RayEngineClient(InferenceInterface):
+    """The inference interface over a Ray actor handle (what the rollout worker hands loops)."""
 
     def __init__(self, handle):
         self.handle = handle
 
-    async def generate(self, prompt_token_ids, sampling, request_id):
+    async def agenerate(self, prompt_token_ids, sampling, request_id):
         return await self.handle.generate.remote(prompt_token_ids, sampling, request_id)
 
 

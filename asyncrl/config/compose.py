@@ -35,6 +35,15 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
+def load_config_file(path: str, overrides: list[str] | None = None) -> Config:
+    """A recipe-style YAML file (any sections) over the defaults, then `key=value` overrides;
+    validated. For commands that take `--config FILE` (asyncrl serve-env)."""
+    if not Path(path).is_file():
+        raise OSError(f"config file {path!r} not found")
+    merged = OmegaConf.merge(compose([]), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
+    return validate(merged)
+
+
 def load_config(overrides: list[str] | None = None) -> Config:
     """Compose and validate: the typed config, or a `ConfigError` naming every bad value."""
     return validate(compose(overrides))

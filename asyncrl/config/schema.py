@@ -47,9 +47,24 @@ class TaskConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "reasoning_gym"
+    """Where a dataset agent's problems come from (the `data` section is the recipe's
+    default agent; each entry of `agents` with type dataset has its own in `params`)."""
+
+    source: str = "reasoning_gym"  # reasoning_gym | file
+    # source=reasoning_gym: the generators, mixed by weight.
     tasks: list[TaskConfig] = field(default_factory=list)
-    train_size: int = 20000
+    # source=file: a local .jsonl / .json / .parquet / .arrow file (or a `datasets.save_to_disk`
+    # directory), read with Hugging Face `datasets`; nothing is downloaded.
+    path: str = ""
+    # A separate held-out file; empty: the last `heldout_size` rows of `path` (after a seeded
+    # shuffle) are held out.
+    heldout_path: str = ""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    # A regex whose group 1 is the reference answer inside the answer field (GSM8K: "####\s*(.+)$");
+    # empty: the whole field.
+    answer_regex: str = ""
+    train_size: int = 20000  # reasoning_gym: problems generated; file: at most this many rows
     heldout_size: int = 500
     # Train and held-out problems come from different seeds; held-out questions that
     # also occur in the train split are removed from the train split.
@@ -57,6 +72,20 @@ class DataConfig:
     heldout_seed: int = 2
     # `{question}` is replaced by the task's question text.
     prompt_template: str = "{question}"
+
+
+@dataclass
+class AgentConfig:
+    """One environment a recipe trains or evaluates on (see asyncrl/agents/)."""
+
+    env_id: str = MISSING  # unique; tags its trajectories and its evaluation metrics
+    type: str = "dataset"  # a registered agent type: dataset | reward_only | remote
+    weight: float = 1.0  # share of the training groups; 0: evaluation only
+    agent_loop: str = ""  # empty: rollout.agent_loop
+    # The type's own settings, checked against its params dataclass at validation:
+    # dataset: the keys of DataConfig (+ module); reward_only: module, max_turns, ...;
+    # remote: url, remote_env_id, token_env.
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -172,6 +201,11 @@ class EvalConfig:
     n_samples: int = 8  # for pass@k
     pass_k: list[int] = field(default_factory=lambda: [1, 8])
     temperature: float = 1.0
+    periodic_pass_k: bool = True  # evaluations during training sample pass@k too (not only greedy)
+    # `asyncrl eval` only: an OpenAI-compatible completions endpoint (e.g. `vllm serve`) to
+    # evaluate instead of starting vLLM; empty: vLLM in process on model.path.
+    endpoint: str = ""
+    endpoint_model: str = ""  # the model name the endpoint serves; empty: model.path
 
 
 @dataclass
@@ -205,6 +239,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # Several environments mixed by weight; empty: one dataset agent made of `data`, with
+    # env_id = recipe.name.
+    agents: list[AgentConfig] = field(default_factory=list)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -8,6 +8,7 @@ every problem found — each naming the key, the value and what would be valid.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from asyncrl.config.schema import Config
 ENGINE_BACKENDS = ("vllm",)
 TRAINER_BACKENDS = ("megatron",)
 DEVICES = ("cpu", "cuda")
-DATA_SOURCES = ("reasoning_gym",)
+DATA_SOURCES = ("reasoning_gym", "file")
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
 PAUSE_MODES = ("abort", "keep")
 AGGREGATIONS = ("token", "sequence")
@@ -105,25 +106,11 @@ def _check_values(c: Config, problems: list[str]) -> None:
     if c.model.tokenizer_path:
         _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
 
-    # data
-    one_of("data.source", c.data.source, DATA_SOURCES)
-    need(len(c.data.tasks) > 0, "data.tasks", [], "give at least one task, e.g. [{name: basic_arithmetic}]")
-    known_tasks = _reasoning_gym_task_names()
-    for i, task in enumerate(c.data.tasks):
-        need(
-            task.name in known_tasks,
-            f"data.tasks[{i}].name",
-            task.name,
-            "not a reasoning-gym task; e.g. basic_arithmetic, chain_sum, gsm_symbolic"
-            " (python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))' lists all)",
-        )
-        at_least(f"data.tasks[{i}].weight", task.weight, 0)
-    if c.data.tasks and all(t.weight >= 0 for t in c.data.tasks):
-        need(sum(t.weight for t in c.data.tasks) > 0, "data.tasks[*].weight", 0, "at least one weight must be > 0")
-    at_least("data.train_size", c.data.train_size, 1)
-    at_least("data.heldout_size", c.data.heldout_size, 1)
-    need("{question}" in c.data.prompt_template, "data.prompt_template", c.data.prompt_template,
-         "must contain the placeholder {question}")
+    # data: the `agents`, or the one dataset agent the `data` section makes
+    if c.agents:
+        _check_agents(c, need, at_least, problems)
+    else:
+        _check_data("data", c.data, need, at_least, one_of)
 
     # engine
     one_of("engine.backend", c.engine.backend, ENGINE_BACKENDS)
@@ -184,6 +171,10 @@ def _check_values(c: Config, problems: list[str]) -> None:
     r = c.rollout
     at_least("rollout.num_workers", r.num_workers, 1)
     at_least("rollout.max_concurrent_loops", r.max_concurrent_loops, 1)
+    from agent_loops import registered_agent_loops  # here: agent_loops sits above the config
+
+    need(r.agent_loop in registered_agent_loops(), "rollout.agent_loop", r.agent_loop,
+         f"not a registered agent loop; registered: {', '.join(registered_agent_loops())}")
     at_least("rollout.max_new_tokens", r.max_new_tokens, 1)
     need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 for RL sampling")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
@@ -206,6 +197,66 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps"):
         at_least(f"bench.{name}", getattr(c.bench, name), 1)
     at_least("bench.warmup_rounds", c.bench.warmup_rounds, 0)
+
+
+def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None:
+    """A dataset agent's data settings (the `data` section, or an agent's params)."""
+    one_of(f"{key}.source", d.source, DATA_SOURCES)
+    if d.source == "reasoning_gym":
+        need(len(d.tasks) > 0, f"{key}.tasks", [], "give at least one task, e.g. [{name: basic_arithmetic}]")
+        known_tasks = _reasoning_gym_task_names()
+        for i, task in enumerate(d.tasks):
+            need(task.name in known_tasks, f"{key}.tasks[{i}].name", task.name,
+                 "not a reasoning-gym task; e.g. basic_arithmetic, chain_sum, gsm_symbolic"
+                 " (python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))' lists all)")
+            at_least(f"{key}.tasks[{i}].weight", task.weight, 0)
+        if d.tasks and all(t.weight >= 0 for t in d.tasks):
+            need(sum(t.weight for t in d.tasks) > 0, f"{key}.tasks[*].weight", 0, "at least one weight must be > 0")
+    elif d.source == "file":
+        need(bool(d.path) and os.path.exists(d.path), f"{key}.path", d.path,
+             "source=file needs an existing local .jsonl/.json/.parquet/.arrow file or datasets directory")
+        need(not d.heldout_path or os.path.exists(d.heldout_path), f"{key}.heldout_path", d.heldout_path,
+             "no such file")
+        if d.answer_regex:
+            try:
+                need(re.compile(d.answer_regex).groups >= 1, f"{key}.answer_regex", d.answer_regex,
+                     "needs a group: group 1 is the reference answer")
+            except re.error as e:
+                need(False, f"{key}.answer_regex", d.answer_regex, f"not a regular expression: {e}")
+    at_least(f"{key}.train_size", d.train_size, 1)
+    at_least(f"{key}.heldout_size", d.heldout_size, 1)
+    need("{question}" in d.prompt_template, f"{key}.prompt_template", d.prompt_template,
+         "must contain the placeholder {question}")
+
+
+def _check_agents(c: Config, need: Any, at_least: Any, problems: list[str]) -> None:
+    from agent_loops import registered_agent_loops
+    from asyncrl.agents.registry import agent_params  # here: the agents import the config schema
+
+    loops = registered_agent_loops()
+    seen: set[str] = set()
+    for i, spec in enumerate(c.agents):
+        key = f"agents[{i}]"
+        need(spec.env_id not in seen, f"{key}.env_id", spec.env_id, "duplicate: each agent needs its own env_id")
+        need(bool(spec.env_id) and "/" not in spec.env_id and ":" not in spec.env_id, f"{key}.env_id",
+             spec.env_id, "must be a non-empty name without '/' or ':'")
+        seen.add(spec.env_id)
+        at_least(f"{key}.weight", spec.weight, 0, "0: evaluation only")
+        need(not spec.agent_loop or spec.agent_loop in loops, f"{key}.agent_loop", spec.agent_loop,
+             f"not a registered agent loop; registered: {', '.join(loops)}")
+        try:
+            params = agent_params(spec)
+        except ValueError as e:
+            problems.append(f"{key} ({spec.env_id}): {e}")
+            continue
+        if spec.type == "dataset":
+            _check_data(f"{key}.params", params, need, at_least,
+                        lambda k, v, ch: need(v in ch, k, v, f"must be one of {', '.join(ch)}"))
+    weighted = [s for s in c.agents if s.weight > 0]
+    need(bool(weighted), "agents[*].weight", [s.weight for s in c.agents],
+         "at least one agent needs a weight > 0 (weight 0: evaluation only)")
+    need(len(weighted) <= c.algorithm.prompts_per_step, "algorithm.prompts_per_step", c.algorithm.prompts_per_step,
+         f"must be >= the number of training agents ({len(weighted)}): each gets at least one group per step")
 
 
 def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncrl.engine.inference import InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
 
 
@@ -32,14 +33,14 @@ class EngineRouter:
         return StickyEngineClient(self, self.pick())
 
 
-class StickyEngineClient:
-    """The engine-client protocol over one engine's Ray handle, counting outstanding requests."""
+class StickyEngineClient(InferenceInterface):
+    """The inference interface over one engine's Ray handle, counting outstanding requests."""
 
     def __init__(self, router: EngineRouter, index: int):
         self.router = router
         self.index = index
 
-    async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
+    async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         self.router.outstanding[self.index] += 1
         try:
             return await self.router.engines[self.index].generate.remote(prompt_token_ids, sampling, request_id)

@@ -1,7 +1,8 @@
 """RolloutWorker: runs many agent loops at once and turns prompts into scored groups.
 
 Runs as a Ray async actor (one asyncio loop). Receives problems from the driver and
-engine handles at construction; emits `TrajectoryGroup`s (the n samples of one prompt)
+engine handles at construction; each problem's agent (by env id, see asyncrl/agents/)
+gives its loop and its reward. Emits `TrajectoryGroup`s (the n samples of one prompt)
 to a sink (a Ray actor with `put(group)`, e.g. the message queue) or, without a sink,
 keeps them for `take_groups()`. Keeps the snapshots of interrupted loops until
 `resume_interrupted()`.
@@ -13,10 +14,13 @@ Lifecycle of a submitted problem:
      each on the engine the router picks.
   3) A loop that is interrupted (engine paused with abort, or `interrupt()`) leaves a
      snapshot; `resume_interrupted()` continues it, on any engine.
-  4) A finished trajectory is scored by the recipe's reward in a thread, under
+  4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure reason. A loop that raises becomes a failed trajectory, never a crash.
   5) When all n trajectories are finished, the group goes to the sink.
+A remote agent's group is one HTTP request to its env server instead (steps 2-4 happen
+there); the server generates through this worker's inference gateway, which carries
+its requests across weight syncs.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from agent_loops import get_agent_loop
+from asyncrl.agents.api import Agent, EvaluationResponse
+from asyncrl.agents.multi_task import WeightedMultiTask
+from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
-from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.engine.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
 from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -45,6 +52,7 @@ logger = logging.getLogger(__name__)
 class _PendingGroup:
     group_id: str
     problem: Problem
+    agent: Agent
     loop_name: str
     prompt_token_ids: list[int]
     trajectories: list[Trajectory | None]
@@ -71,17 +79,15 @@ class RolloutWorker:
     """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
 
     def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
-                 hooks: RecipeHooks | None = None, sampling: SamplingSpec | None = None):
-        try:  # a bad default loop would reject every row: fail at start instead
-            get_agent_loop(cfg.rollout.agent_loop)
-        except KeyError as e:
-            raise ValueError(f"rollout.agent_loop={cfg.rollout.agent_loop!r}: {e.args[0]}") from None
+                 agents: WeightedMultiTask | None = None, sampling: SamplingSpec | None = None):
         self.worker_id = worker_id
         self.cfg = cfg
         self.router = EngineRouter(engines)
         self.sink = sink
-        self.hooks = hooks or load_recipe_hooks(cfg.recipe.module)
+        self.agents = agents or build_agents(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        for agent in self.agents.agents.values():
+            agent.tokenizer = self.tokenizer  # one tokenizer for the worker
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         self.stats = WorkerStats()
@@ -92,6 +98,9 @@ class RolloutWorker:
         self._tasks: set[asyncio.Task] = set()
         self._pending: dict[str, _PendingGroup] = {}  # admitted groups not yet emitted
         self._group_counter = itertools.count()
+        # Engines behind one routed interface that waits out weight syncs: evaluation, and
+        # (served over HTTP on first use) the env servers of remote agents.
+        self.gateway = InferenceGateway(self.router.client, self.tokenizer, self._resumed)
 
     # -- driver-facing API -----------------------------------------------------------
 
@@ -107,9 +116,12 @@ class RolloutWorker:
                 continue
             accepted += 1
             self._pending[group.group_id] = group
+            if group.agent.remote:
+                self._spawn_remote(group, n)
+                continue
             for i in range(n):  # 2)
                 start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
-                                   env_id=problem.task, timings={"submitted": time.time()})
+                                   env_id=group.agent.env_id, timings={"submitted": time.time()})
                 self._spawn(group, i, start)
         return accepted
 
@@ -131,27 +143,26 @@ class RolloutWorker:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    async def evaluate(self, problems: list[Problem], n_sampled: int, temperature: float) -> list[dict[str, Any]]:
-        """Run each problem's agent loop once greedily and `n_sampled` times at `temperature`,
-        outside training (no groups, never interrupted). Returns per problem the rewards and
-        the response token counts: {"greedy": r, "sampled": [r, ...], "tokens": [n, ...]}."""
-        async def one(problem: Problem, temp: float, tag: str) -> tuple[float, int]:
-            ids = self.tokenizer.encode(problem.prompt)
-            spec = SamplingSpec(max_new_tokens=self.sampling.max_new_tokens, temperature=temp,
-                                top_p=self.sampling.top_p, stop=list(self.sampling.stop))
-            loop = get_agent_loop(problem.agent_loop or self.cfg.rollout.agent_loop)(
-                self.router.client(), self.tokenizer, spec, self.cfg.engine.max_model_len)
-            outcome = await loop.run(Trajectory(problem.prompt_id, tag, ids))
-            traj = outcome.trajectory
-            await self._score(problem, traj)
-            return traj.reward, sum(traj.loss_mask)
+    async def evaluate(self, problems: list[Problem], n_sampled: int, temperature: float,
+                       pass_k: list[int]) -> list[EvaluationResponse]:
+        """Each agent's pass@k evaluation of its problems (one greedy rollout and `n_sampled` at
+        `temperature` each), outside training: never interrupted, no groups emitted."""
+        by_env: dict[str, list[Problem]] = collections.defaultdict(list)
+        for p in problems:
+            by_env[self._agent(p).env_id].append(p)
+        jobs = []
+        for env_id, ps in by_env.items():
+            agent = self.agents[env_id]
+            inference = self.gateway
+            if agent.remote:
+                await self.gateway.serve()
+            jobs.append(agent.evaluate(ps, inference, n_sampled, temperature, pass_k))
+        return list(await asyncio.gather(*jobs))
 
-        jobs = [one(p, t, f"eval-{p.prompt_id}-{j}") for p in problems
-                for j, t in enumerate([0.0] + [temperature] * n_sampled)]
-        results = await asyncio.gather(*jobs)
-        per = 1 + n_sampled
-        return [{"greedy": results[i * per][0], "sampled": [r for r, _ in results[i * per + 1:(i + 1) * per]],
-                 "tokens": [n for _, n in results[i * per:(i + 1) * per]]} for i in range(len(problems))]
+    async def _resumed(self) -> None:
+        """Returns once a weight sync in abort mode is over (the gateway's requests wait here)."""
+        while self._interrupt.is_set():
+            await asyncio.sleep(0.01)
 
     def pending_prompts(self) -> list[str]:
         """Prompt ids of admitted groups not yet emitted (generating, waiting or snapshotted)."""
@@ -174,27 +185,33 @@ class RolloutWorker:
 
     # -- one problem, one sample -------------------------------------------------------
 
+    def _agent(self, problem: Problem) -> Agent:
+        """The problem's agent; a problem without an env id belongs to a run's only agent."""
+        if not problem.env_id and len(self.agents.agents) == 1:
+            return next(iter(self.agents.agents.values()))
+        return self.agents[problem.env_id]
+
     def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
         """The row's pending group, or None with a counted reason."""
-        loop_name = problem.agent_loop or self.cfg.rollout.agent_loop
         ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
-        reason = None
-        if not ids:
+        reason, agent, loop_name = None, None, problem.agent_loop
+        try:
+            agent = self._agent(problem)
+            loop_name = problem.agent_loop or agent.agent_loop
+            get_agent_loop(loop_name)
+        except KeyError as e:
+            reason = f"unknown_env ({e.args[0]})" if agent is None else f"unknown_agent_loop ({e.args[0]})"
+        if reason is None and not ids:
             reason = "empty_prompt"
-        elif len(ids) >= self.cfg.engine.max_model_len:
+        elif reason is None and len(ids) >= self.cfg.engine.max_model_len:
             reason = f"prompt_too_long ({len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len})"
-        else:
-            try:
-                get_agent_loop(loop_name)
-            except KeyError as e:
-                reason = f"unknown_agent_loop ({e.args[0]})"
         if reason is not None:
             self.stats.failed_prompts[problem.prompt_id] = reason
             self.stats.failure_reasons[reason.split(" ")[0]] += 1
             logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, reason)
             return None
         group_id = f"{problem.prompt_id}@w{self.worker_id}.{next(self._group_counter)}"
-        return _PendingGroup(group_id, problem, loop_name, ids, [None] * n)
+        return _PendingGroup(group_id, problem, agent, loop_name, ids, [None] * n)
 
     def _spawn(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         task = asyncio.get_running_loop().create_task(self._run_sample(group, index, start))
@@ -203,8 +220,7 @@ class RolloutWorker:
 
     async def _run_sample(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         async with self._slots:
-            loop = get_agent_loop(group.loop_name)(self.router.client(), self.tokenizer, self.sampling,
-                                                   self.cfg.engine.max_model_len, interrupt=self._interrupt)
+            loop = group.agent.make_loop(group.problem, self.router.client(), self.sampling, self._interrupt)
             t0 = time.time()
             try:
                 outcome = await (loop.run(start) if isinstance(start, Trajectory) else loop.resume(start))
@@ -222,26 +238,32 @@ class RolloutWorker:
             return
         traj = outcome.trajectory
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.time() - t0
-        await self._score(group.problem, traj)  # 4)
+        reason = await group.agent.score(group.problem, traj)  # 4)
+        if reason is not None:
+            self.stats.failure_reasons[reason.split(" ")[0].rstrip(":")] += 1
+            logger.warning("worker-%d: %s on %s", self.worker_id, reason, traj.prompt_id)
         await self._finish(group, index, traj)
 
-    async def _score(self, problem: Problem, traj: Trajectory) -> None:
-        response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
-        traj.info["response"] = response
-        timeout = self.cfg.rollout.reward_timeout_s
-        try:
-            traj.reward = await asyncio.wait_for(
-                asyncio.to_thread(self.hooks.reward, problem, response), timeout=timeout)
-        except asyncio.TimeoutError:
-            self._reward_failed(traj, f"reward_timeout (> {timeout:g}s)")
-        except Exception as e:  # a buggy reward function must not stop the run
-            self._reward_failed(traj, f"reward_error: {type(e).__name__}: {e}")
+    def _spawn_remote(self, group: _PendingGroup, n: int) -> None:
+        async def run() -> None:
+            async with self._slots:
+                try:
+                    await self.gateway.serve()
+                    done = await group.agent.grouped_rollout(group.problem, n, self.gateway, group.group_id,
+                                                             self.sampling)
+                    trajs = done.trajectories
+                except Exception as e:  # the server or the network failed: a failed group, counted
+                    logger.warning("worker-%d: remote group %s failed: %s", self.worker_id, group.group_id, e)
+                    self.stats.failure_reasons["remote_error"] += 1
+                    trajs = [Trajectory(group.problem.prompt_id, group.group_id, list(group.prompt_token_ids),
+                                        status=TrajectoryStatus.FAILED, env_id=group.agent.env_id,
+                                        failure_reason=f"remote_error: {e}") for _ in range(n)]
+            for i, t in enumerate(trajs):
+                await self._finish(group, i, t)
 
-    def _reward_failed(self, traj: Trajectory, reason: str) -> None:
-        traj.reward = 0.0
-        traj.info["reward_failure"] = reason
-        self.stats.failure_reasons[reason.split(" ")[0].rstrip(":")] += 1
-        logger.warning("worker-%d: %s on %s", self.worker_id, reason, traj.prompt_id)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, group: _PendingGroup, index: int, traj: Trajectory) -> None:
         self.stats.trajectories_finished += 1

@@ -1,0 +1,236 @@
+"""The agent API: what an environment (an *agent*) gives training and evaluation.
+
+An agent is a source of problems, a reward and the agent loop that turns a problem
+into a trajectory. The trainer never sees it: rollout workers run its loop and score
+with its reward, the driver draws its problems, and evaluation asks it for metrics.
+
+  requests    RolloutRequest, GroupedRolloutRequest, EvaluationRequest   (plain data; JSON for the env server)
+  results     a rollout is a `Trajectory` (tokens, logprobs, loss mask, policy versions, reward,
+              status, env_id, prompt_id = problem id); grouped rollouts are `TrajectoryGroup`s;
+              an evaluation is an `EvaluationResponse` with `metrics()`
+  inference   `InferenceInterface` (asyncrl/engine/inference.py): EngineActors in training, any
+              OpenAI-compatible endpoint for standalone evaluation and on the env server
+
+Agent types are registered by name (asyncrl/agents/registry.py); configs and env-server
+requests can only name registered types and configured env ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.engine.inference import InferenceInterface
+from asyncrl.metrics import pass_at_k
+from asyncrl.tasks import Problem
+from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+SPLITS = ("train", "heldout")
+
+
+# -- requests ---------------------------------------------------------------------------
+
+@dataclass
+class RolloutRequest:
+    """One rollout per named problem (or `num_rollouts` problems the agent draws)."""
+
+    env_id: str
+    problem_ids: list[str] = field(default_factory=list)
+    num_rollouts: int = 1
+    seed: int = 0
+
+
+@dataclass
+class GroupedRolloutRequest:
+    """`group_size` rollouts of each named problem (or of `num_groups` drawn problems)."""
+
+    env_id: str
+    problem_ids: list[str] = field(default_factory=list)
+    num_groups: int = 1
+    group_size: int = 8
+    group_ids: list[str] = field(default_factory=list)  # the caller's ids for the groups; empty: made up
+    seed: int = 0
+
+
+@dataclass
+class EvaluationRequest:
+    """Greedy plus `n_samples` sampled rollouts of held-out problems; pass@k for each k."""
+
+    env_id: str
+    problem_ids: list[str] = field(default_factory=list)  # empty: the first `num_problems` held-out
+    num_problems: int = 0  # 0: the whole held-out split
+    n_samples: int = 8
+    pass_k: list[int] = field(default_factory=lambda: [1, 8])
+    temperature: float = 1.0
+
+
+# -- results ----------------------------------------------------------------------------
+
+@dataclass
+class ProblemResult:
+    """One evaluated problem: the greedy sample's reward and every sampled reward."""
+
+    prompt_id: str
+    env_id: str
+    greedy_reward: float
+    sampled_rewards: list[float]
+    response_tokens: list[int]  # per sample, greedy first
+
+
+@dataclass
+class EvaluationResponse:
+    env_id: str
+    results: list[ProblemResult]
+    pass_k: list[int]
+    temperature: float
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """Greedy accuracy, unbiased pass@k (a sample is correct only at reward 1.0), mean sampled
+        reward and response length. pass@k is left out for k above the samples collected."""
+        rs = self.results
+        if not rs:
+            return {"num_problems": 0}
+        n = min(len(r.sampled_rewards) for r in rs)
+        out = {"num_problems": len(rs), "greedy_accuracy": sum(r.greedy_reward >= 1.0 for r in rs) / len(rs),
+               "mean_response_tokens": sum(sum(r.response_tokens) for r in rs)
+               / max(1, sum(len(r.response_tokens) for r in rs))}
+        if n:
+            out["mean_reward"] = sum(sum(r.sampled_rewards[:n]) for r in rs) / (n * len(rs))
+            for k in self.pass_k:
+                if k <= n:
+                    out[f"pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r.sampled_rewards[:n]), k)
+                                           for r in rs) / len(rs)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "metrics": self.metrics()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvaluationResponse:
+        return cls(env_id=d["env_id"], results=[ProblemResult(**r) for r in d["results"]], pass_k=list(d["pass_k"]),
+                   temperature=d["temperature"], seconds=d.get("seconds", 0.0))
+
+
+# -- the agent --------------------------------------------------------------------------
+
+class Agent(ABC):
+    """An environment. Subclasses give `problems` and `reward` (and, multi-turn, `observe`);
+    running the loop, scoring, grouped rollouts and pass@k evaluation are shared."""
+
+    params_class: type = dict  # the dataclass `AgentConfig.params` must fit
+    remote: bool = False  # True: rollouts happen elsewhere (the env server), already scored
+
+    def __init__(self, spec: AgentConfig, params: Any, cfg: Config):
+        self.env_id = spec.env_id
+        self.weight = spec.weight
+        self.agent_loop = spec.agent_loop or cfg.rollout.agent_loop
+        self.params = params
+        self.cfg = cfg
+
+    @abstractmethod
+    def problems(self, split: str) -> list[Problem]:
+        """The problems of a split ("train" or "heldout"); ids are stable across calls."""
+
+    @abstractmethod
+    def reward(self, problem: Problem, response: str) -> float:
+        """The response's reward (1.0 = correct). May raise: callers count it as a failure."""
+
+    def observe(self, problem: Problem, response: str, turn: int) -> str | None:
+        """Multi-turn: the environment's reply after the model's `turn`-th turn (response so far),
+        or None to end the episode. Single-turn agents never reply."""
+        return None
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path or self.cfg.model.path)
+
+    def sampling(self, temperature: float | None = None) -> SamplingSpec:
+        r = self.cfg.rollout
+        return SamplingSpec(max_new_tokens=r.max_new_tokens, top_p=r.top_p,
+                            temperature=r.temperature if temperature is None else temperature)
+
+    def make_loop(self, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec,
+                  interrupt: asyncio.Event | None = None) -> Any:
+        """The problem's agent loop, bound to this environment."""
+        from agent_loops import get_agent_loop
+
+        loop_cls = get_agent_loop(problem.agent_loop or self.agent_loop)
+        return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
+                        env=functools.partial(self.observe, problem))
+
+    async def score(self, problem: Problem, traj: Trajectory) -> str | None:
+        """Set the trajectory's reward from its decoded response; a reward function that raises or
+        exceeds rollout.reward_timeout_s gives reward 0. Returns the failure reason, or None."""
+        response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
+        traj.info["response"] = response
+        timeout = self.cfg.rollout.reward_timeout_s
+        reason = None
+        try:
+            traj.reward = float(await asyncio.wait_for(asyncio.to_thread(self.reward, problem, response), timeout))
+        except asyncio.TimeoutError:
+            reason = f"reward_timeout (> {timeout:g}s)"
+        except Exception as e:  # a buggy reward function must not stop the run
+            reason = f"reward_error: {type(e).__name__}: {e}"
+        if reason is not None:
+            traj.reward = 0.0
+            traj.info["reward_failure"] = reason
+        return reason
+
+    async def rollout(self, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec | None = None,
+                      group_id: str = "") -> Trajectory:
+        """Run the problem's loop to the end (never interrupted) and score it. A loop that raises
+        gives a failed trajectory."""
+        ids = self.tokenizer.encode(problem.prompt)
+        traj = Trajectory(problem.prompt_id, group_id or problem.prompt_id, ids, env_id=self.env_id)
+        t0 = time.time()
+        try:
+            outcome = await self.make_loop(problem, inference, sampling or self.sampling()).run(traj)
+        except Exception as e:
+            traj.status, traj.failure_reason = TrajectoryStatus.FAILED, f"loop_error: {type(e).__name__}: {e}"
+            return traj
+        traj = outcome.trajectory
+        traj.timings["generate_s"] = time.time() - t0
+        await self.score(problem, traj)
+        return traj
+
+    async def grouped_rollout(self, problem: Problem, group_size: int, inference: InferenceInterface,
+                              group_id: str = "", sampling: SamplingSpec | None = None) -> TrajectoryGroup:
+        group_id = group_id or problem.prompt_id
+        trajs = await asyncio.gather(*[self.rollout(problem, inference, sampling, group_id)
+                                       for _ in range(group_size)])
+        return TrajectoryGroup(group_id, problem.prompt_id, list(trajs), env_id=self.env_id)
+
+    async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
+                       temperature: float, pass_k: list[int]) -> EvaluationResponse:
+        """The pass@k evaluation: per problem one greedy rollout and `n_samples` at `temperature`."""
+        t0 = time.time()
+
+        async def one(problem: Problem) -> ProblemResult:
+            temps = [0.0] + [temperature] * n_samples
+            trajs = await asyncio.gather(*[self.rollout(problem, inference, self.sampling(t), f"eval-{j}")
+                                           for j, t in enumerate(temps)])
+            return ProblemResult(problem.prompt_id, self.env_id, trajs[0].reward, [t.reward for t in trajs[1:]],
+                                 [sum(t.loss_mask) for t in trajs])
+
+        results = await asyncio.gather(*[one(p) for p in problems])
+        return EvaluationResponse(self.env_id, list(results), list(pass_k), temperature, time.time() - t0)
+
+    def find_problems(self, split: str, problem_ids: list[str], count: int) -> list[Problem]:
+        """The named problems of a split (KeyError naming an unknown id), or its first `count`."""
+        problems = self.problems(split)
+        if not problem_ids:
+            return problems[:count] if count else problems
+        by_id = {p.prompt_id: p for p in problems}
+        missing = [i for i in problem_ids if i not in by_id]
+        if missing:
+            raise KeyError(f"env {self.env_id!r} has no {split} problem {missing[0]!r}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [by_id[i] for i in problem_ids]

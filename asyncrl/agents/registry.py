@@ -1,0 +1,67 @@
+"""Agent types by name: configs (and so env-server requests) can only reach these.
+
+An env id in a request selects an agent the server's config built at start; a type
+name selects a class from this table; nothing is ever imported because a request
+named it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.agents.api import Agent
+from asyncrl.agents.dataset import DatasetAgent, DatasetParams
+from asyncrl.agents.multi_task import WeightedMultiTask
+from asyncrl.agents.remote import RemoteAgent
+from asyncrl.agents.reward_only import RewardOnlyAgent
+from asyncrl.config.schema import AgentConfig, Config
+
+AGENT_TYPES: dict[str, type[Agent]] = {
+    "dataset": DatasetAgent,
+    "reward_only": RewardOnlyAgent,
+    "remote": RemoteAgent,
+}
+
+
+def agent_specs(cfg: Config) -> list[AgentConfig]:
+    """The run's agents: `agents`, or else one dataset agent made of the `data` section."""
+    if cfg.agents:
+        return list(cfg.agents)
+    return [AgentConfig(env_id=cfg.recipe.name, type="dataset", weight=1.0, params=dataclasses.asdict(cfg.data))]
+
+
+def agent_params(spec: AgentConfig) -> Any:
+    """The spec's params as its type's dataclass; ValueError naming the bad key or value."""
+    if spec.type not in AGENT_TYPES:
+        raise ValueError(f"agent type {spec.type!r} is not registered; registered types: {', '.join(AGENT_TYPES)}")
+    params_class = AGENT_TYPES[spec.type].params_class
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(params_class), spec.params or {})
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or ""
+        raise ValueError(f"params{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
+
+
+def build_agent(spec: AgentConfig, cfg: Config) -> Agent:
+    params = agent_params(spec)  # first: it rejects an unregistered type
+    return AGENT_TYPES[spec.type](spec, params, cfg)
+
+
+def build_agents(cfg: Config) -> WeightedMultiTask:
+    """Every agent of the run, weighted; errors name the env."""
+    agents = []
+    for spec in agent_specs(cfg):
+        try:
+            agents.append(build_agent(spec, cfg))
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("env ") else f"env {spec.env_id!r}: {msg}") from None
+    return WeightedMultiTask(agents, block_size=cfg.algorithm.prompts_per_step, seed=cfg.run.seed)
+
+
+__all__ = ["AGENT_TYPES", "DatasetParams", "agent_params", "agent_specs", "build_agent", "build_agents"]

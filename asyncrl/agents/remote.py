@@ -1,0 +1,133 @@
+"""The remote agent: an agent hosted by `asyncrl serve-env`, called over HTTP.
+
+    agents:
+      - env_id: arith_remote
+        type: remote
+        params: {url: "http://127.0.0.1:8765", remote_env_id: arith}   # token: $ASYNCRL_ENV_TOKEN
+
+Problems come from the server; rollouts run there, generating through the inference
+endpoint this side hands over (in training: the rollout worker's gateway to the engines),
+and come back scored, with their token ids, logprobs and policy versions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from omegaconf import MISSING
+
+from asyncrl.agents.api import Agent, EvaluationResponse
+from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.tasks import Problem
+from asyncrl.types import SamplingSpec, TrajectoryGroup
+
+
+@dataclass
+class RemoteParams:
+    url: str = MISSING  # the env server, e.g. http://127.0.0.1:8765
+    remote_env_id: str = ""  # the env id on the server; empty: this agent's env_id
+    token_env: str = "ASYNCRL_ENV_TOKEN"  # the environment variable holding the server's bearer token
+    timeout_s: float = 600.0
+
+
+class RemoteError(RuntimeError):
+    """The env server refused a request or could not be reached; the message says which and why."""
+
+
+class RemoteAgent(Agent):
+    params_class = RemoteParams
+    remote = True
+
+    def __init__(self, spec: AgentConfig, params: RemoteParams, cfg: Config):
+        super().__init__(spec, params, cfg)
+        if not params.url.startswith(("http://", "https://")):
+            raise ValueError(f"env {spec.env_id!r}: params.url={params.url!r}: must start with http:// or https://")
+        self.remote_env_id = params.remote_env_id or spec.env_id
+        self._problems: dict[str, list[Problem]] = {}  # split -> problems, fetched once
+
+    def _headers(self) -> dict[str, str]:
+        token = os.environ.get(self.params.token_env, "")
+        if not token:
+            raise RemoteError(f"env {self.env_id!r}: ${self.params.token_env} is not set; it must hold the env "
+                              "server's bearer token")
+        return {"Authorization": f"Bearer {token}"}
+
+    def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            r = httpx.post(self.params.url.rstrip("/") + path, json=body, headers=self._headers(),
+                           timeout=self.params.timeout_s)
+        except httpx.HTTPError as e:
+            raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
+        return self._check(path, r)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            async with httpx.AsyncClient(timeout=self.params.timeout_s) as client:
+                r = await client.post(self.params.url.rstrip("/") + path, json=body, headers=self._headers())
+        except httpx.HTTPError as e:
+            raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
+        return self._check(path, r)
+
+    def _check(self, path: str, r: httpx.Response) -> Any:
+        if r.status_code != 200:
+            raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path} answered {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    # -- the agent API over HTTP ----------------------------------------------------------
+
+    def problems(self, split: str) -> list[Problem]:
+        return self._problems[split] if split in self._problems else self._fetch(split)
+
+    def _fetch(self, split: str) -> list[Problem]:
+        rows = self._post_sync("/problems/", {"env_id": self.remote_env_id, "split": split})["problems"]
+        # Ids are the server's, prefixed with this env id so that they stay unique in the run.
+        self._problems[split] = [Problem(prompt_id=f"{self.env_id}:{r['prompt_id']}", task="", question=r["prompt"],
+                                         prompt=r["prompt"], answer="", env_id=self.env_id) for r in rows]
+        return self._problems[split]
+
+    def reward(self, problem: Problem, response: str) -> float:
+        raise RemoteError(f"env {self.env_id!r} is remote: its server scores its rollouts")
+
+    def _remote_id(self, prompt_id: str) -> str:
+        return prompt_id.split(":", 1)[1].partition("#e")[0]
+
+    @staticmethod
+    def _endpoint(inference: InferenceInterface) -> dict[str, Any]:
+        endpoint = getattr(inference, "endpoint", None)
+        if not isinstance(endpoint, Endpoint):
+            raise RemoteError("a remote agent needs an inference interface reachable over HTTP "
+                              f"(with an `endpoint`); got {type(inference).__name__}")
+        return asdict(endpoint)
+
+    async def grouped_rollout(self, problem: Problem, group_size: int, inference: InferenceInterface,
+                              group_id: str = "", sampling: SamplingSpec | None = None) -> TrajectoryGroup:
+        group_id = group_id or problem.prompt_id
+        out = await self._post("/grouped_rollouts/", {
+            "env_id": self.remote_env_id, "problem_ids": [self._remote_id(problem.prompt_id)],
+            "group_size": group_size, "group_ids": [group_id], "inference": self._endpoint(inference),
+            "sampling": asdict(sampling or self.sampling())})
+        group = TrajectoryGroup.from_dict(out["groups"][0])
+        group.prompt_id, group.env_id = problem.prompt_id, self.env_id
+        for t in group.trajectories:
+            t.prompt_id, t.env_id = problem.prompt_id, self.env_id
+        return group
+
+    async def rollout(self, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec | None = None,
+                      group_id: str = "") -> Any:
+        return (await self.grouped_rollout(problem, 1, inference, group_id, sampling)).trajectories[0]
+
+    async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
+                       temperature: float, pass_k: list[int]) -> EvaluationResponse:
+        out = await self._post("/evaluation/", {
+            "env_id": self.remote_env_id, "problem_ids": [self._remote_id(p.prompt_id) for p in problems],
+            "n_samples": n_samples, "temperature": temperature, "pass_k": list(pass_k),
+            "inference": self._endpoint(inference)})
+        response = EvaluationResponse.from_dict(out)
+        response.env_id = self.env_id
+        for r, p in zip(response.results, problems):
+            r.prompt_id, r.env_id = p.prompt_id, self.env_id
+        return response

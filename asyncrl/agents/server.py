@@ -1,0 +1,263 @@
+"""`asyncrl serve-env`: registered agents over HTTP (FastAPI), for remote rollouts.
+
+    export ASYNCRL_ENV_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')
+    asyncrl serve-env --config recipes/multi_task/env_server.yaml --port 8765 [--host 127.0.0.1] [key=value ...]
+
+The config file is a recipe-style YAML over the defaults (the `agents` list, `model` for
+the tokenizer, `rollout` for sampling). Endpoints (JSON; all but /health need
+`Authorization: Bearer $ASYNCRL_ENV_TOKEN`):
+    GET  /health                 liveness
+    GET  /envs/                  the env ids served, with weights and loops
+    POST /problems/              {env_id, split}: the problems' ids and prompts (no answers)
+    POST /rollouts/              {env_id, problem_ids | num_rollouts, inference, sampling?}
+    POST /grouped_rollouts/      {env_id, problem_ids | num_groups, group_size, group_ids?, inference, sampling?}
+    POST /evaluation/            {env_id, problem_ids | num_problems, n_samples, pass_k, temperature, inference}
+`inference` is an OpenAI-compatible endpoint ({base_url, model, api_key}) the agents
+generate through. The server binds to 127.0.0.1 unless told otherwise, refuses bodies
+over --max-request-bytes (413), answers a missing token with 401, a wrong one with 403,
+a malformed body with 422, an unknown env or problem with 404, and builds agents only
+from the registry, from its own config at start: a request can only name an env id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncrl.agents.api import Agent
+from asyncrl.agents.multi_task import WeightedMultiTask
+from asyncrl.agents.openai_inference import OpenAIInference
+from asyncrl.engine.inference import Endpoint
+from asyncrl.types import SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+MAX_ROLLOUTS_PER_REQUEST = 4096
+
+
+# -- request bodies (unknown fields are refused: a typo never passes silently) --------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InferenceBody(_Body):
+    base_url: str = Field(pattern=r"^https?://")
+    model: str = ""
+    api_key: str = ""
+
+
+class SamplingBody(_Body):
+    max_new_tokens: int = Field(ge=1, le=1 << 16)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+
+class ProblemsBody(_Body):
+    env_id: str
+    split: Literal["train", "heldout"] = "train"
+
+
+class RolloutsBody(_Body):
+    env_id: str
+    problem_ids: list[str] = []
+    num_rollouts: int = Field(1, ge=1, le=MAX_ROLLOUTS_PER_REQUEST)
+    inference: InferenceBody
+    sampling: SamplingBody | None = None
+
+
+class GroupedRolloutsBody(_Body):
+    env_id: str
+    problem_ids: list[str] = []
+    num_groups: int = Field(1, ge=1, le=MAX_ROLLOUTS_PER_REQUEST)
+    group_size: int = Field(8, ge=1, le=1024)
+    group_ids: list[str] = []
+    inference: InferenceBody
+    sampling: SamplingBody | None = None
+
+
+class EvaluationBody(_Body):
+    env_id: str
+    problem_ids: list[str] = []
+    num_problems: int = Field(0, ge=0)
+    n_samples: int = Field(8, ge=0, le=1024)
+    pass_k: list[int] = [1]
+    temperature: float = Field(1.0, ge=0)
+    inference: InferenceBody
+
+
+# -- the app -----------------------------------------------------------------------------
+
+class _BodyLimit:
+    """Refuses request bodies over `max_bytes` (413), declared or streamed."""
+
+    class TooLarge(Exception):
+        pass
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise self.TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except self.TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Any) -> None:
+        body = json.dumps({"detail": f"request body over the server's limit of {self.max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Any:
+    """The env server's ASGI app over already-built agents."""
+    if not token:
+        raise ValueError("the env server needs a bearer token")
+    app = FastAPI(title="asyncrl env server")
+
+    def authorized(request: Request) -> None:
+        header = request.headers.get("authorization")
+        if not header:
+            raise HTTPException(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPException(403, "invalid bearer token")
+
+    def agent(env_id: str) -> Agent:
+        if env_id not in agents.agents:
+            raise HTTPException(404, f"unknown env_id {env_id!r}; this server hosts: {', '.join(agents.agents)}")
+        return agents.agents[env_id]
+
+    def inference(a: Agent, body: InferenceBody) -> OpenAIInference:
+        return OpenAIInference(Endpoint(**body.model_dump()), tokenizer=a.tokenizer)
+
+    def sampling(a: Agent, body: SamplingBody | None) -> SamplingSpec:
+        return SamplingSpec(**body.model_dump()) if body is not None else a.sampling()
+
+    def problems(a: Agent, split: str, ids: list[str], count: int) -> list:
+        try:
+            return a.find_problems(split, ids, count)
+        except KeyError as e:
+            raise HTTPException(404, e.args[0]) from None
+
+    @app.exception_handler(RuntimeError)
+    async def inference_failed(request: Request, e: RuntimeError) -> JSONResponse:
+        logger.warning("%s: %s", request.url.path, e)
+        return JSONResponse({"detail": f"inference failed: {e}"}, status_code=502)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/envs/", dependencies=[Depends(authorized)])
+    async def envs() -> dict[str, Any]:
+        return {"envs": [{"env_id": a.env_id, "weight": a.weight, "agent_loop": a.agent_loop,
+                          "type": type(a).__name__} for a in agents.agents.values()]}
+
+    @app.post("/problems/", dependencies=[Depends(authorized)])
+    async def list_problems(body: ProblemsBody) -> dict[str, Any]:
+        return {"problems": [{"prompt_id": p.prompt_id, "prompt": p.prompt}
+                             for p in agent(body.env_id).problems(body.split)]}
+
+    @app.post("/rollouts/", dependencies=[Depends(authorized)])
+    async def rollouts(body: RolloutsBody) -> dict[str, Any]:
+        a = agent(body.env_id)
+        chosen = problems(a, "train", body.problem_ids, body.num_rollouts)
+        engine, spec = inference(a, body.inference), sampling(a, body.sampling)
+        trajs = await asyncio.gather(*[a.rollout(p, engine, spec) for p in chosen])
+        return {"rollouts": [t.to_dict() for t in trajs]}
+
+    @app.post("/grouped_rollouts/", dependencies=[Depends(authorized)])
+    async def grouped_rollouts(body: GroupedRolloutsBody) -> dict[str, Any]:
+        a = agent(body.env_id)
+        chosen = problems(a, "train", body.problem_ids, body.num_groups)
+        if body.group_ids and len(body.group_ids) != len(chosen):
+            raise HTTPException(422, f"group_ids has {len(body.group_ids)} entries for {len(chosen)} groups")
+        if len(chosen) * body.group_size > MAX_ROLLOUTS_PER_REQUEST:
+            raise HTTPException(422, f"{len(chosen)} groups x {body.group_size} exceeds "
+                                f"{MAX_ROLLOUTS_PER_REQUEST} rollouts per request")
+        engine, spec = inference(a, body.inference), sampling(a, body.sampling)
+        ids = body.group_ids or [p.prompt_id for p in chosen]
+        groups = await asyncio.gather(*[a.grouped_rollout(p, body.group_size, engine, gid, spec)
+                                        for p, gid in zip(chosen, ids)])
+        return {"groups": [g.to_dict() for g in groups]}
+
+    @app.post("/evaluation/", dependencies=[Depends(authorized)])
+    async def evaluation(body: EvaluationBody) -> dict[str, Any]:
+        a = agent(body.env_id)
+        bad = [k for k in body.pass_k if not 1 <= k <= max(1, body.n_samples)]
+        if bad:
+            raise HTTPException(422, f"pass_k {bad[0]} must be in [1, n_samples={body.n_samples}]")
+        chosen = problems(a, "heldout", body.problem_ids, body.num_problems)
+        response = await a.evaluate(chosen, inference(a, body.inference), body.n_samples, body.temperature,
+                                    body.pass_k)
+        return response.to_dict()
+
+    return _BodyLimit(app, max_request_bytes)
+
+
+# -- `asyncrl serve-env` -------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="asyncrl serve-env", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML with `agents` (and model / rollout settings)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--token-env", default="ASYNCRL_ENV_TOKEN",
+                        help="environment variable holding the bearer token clients must send")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = parser.parse_args(argv)
+
+    token = os.environ.get(args.token_env, "")
+    if len(token) < 16:
+        sys.exit(f"asyncrl serve-env: ${args.token_env} must hold a bearer token of at least 16 characters "
+                 "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    from asyncrl.agents.registry import build_agents
+    from asyncrl.config import load_config_file
+
+    try:
+        agents = build_agents(load_config_file(args.config, args.overrides))
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        sys.exit(f"asyncrl serve-env: {e}")
+    for a in agents.agents.values():  # load problems now: a broken dataset fails at start
+        a.problems("train"), a.problems("heldout")
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO)
+    logger.info("serving envs %s on http://%s:%d", ", ".join(agents.agents), args.host, args.port)
+    uvicorn.run(create_app(agents, token, args.max_request_bytes), host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

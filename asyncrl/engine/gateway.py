@@ -1,0 +1,117 @@
+"""The inference gateway: engines behind one routed interface, optionally over HTTP.
+
+`agenerate` sends each request to an engine chosen by `pick()` and hides weight syncs:
+a request aborted by `pause("abort")` waits until generation may resume, then continues
+from prompt + tokens so far with what is left of its budget, and the segments are
+joined (each token keeps the policy version that produced it).
+
+`serve()` exposes the same as an OpenAI-compatible `POST /v1/completions` on loopback
+(prompt as token ids or text; `token_ids`, `logprobs.token_logprobs` and asyncrl's
+`versions` in each choice), guarded by a random bearer key. Env-server agents generate
+through it during training; `endpoint` is what a remote agent hands them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.types import GenerationResult, SamplingSpec
+
+
+class InferenceGateway(InferenceInterface):
+    def __init__(self, pick: Callable[[], InferenceInterface], tokenizer: Any,
+                 resumed: Callable[[], Awaitable[None]] | None = None, model_name: str = "asyncrl"):
+        self.pick = pick
+        self.tokenizer = tokenizer
+        self.resumed = resumed  # waits until a sync is over (abort mode); None: retry at once
+        self.model_name = model_name
+        self.endpoint: Endpoint | None = None
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self._api_key = secrets.token_urlsafe(24)
+
+    async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec,
+                        request_id: str) -> GenerationResult:
+        engine = self.pick()
+        out = GenerationResult([], [], [], "abort")
+        for attempt in range(1000):
+            left = sampling.max_new_tokens - len(out.token_ids)
+            part = await engine.agenerate(list(prompt_token_ids) + out.token_ids,
+                                          replace(sampling, max_new_tokens=left), f"{request_id}.{attempt}")
+            out = GenerationResult(out.token_ids + part.token_ids, out.logprobs + part.logprobs,
+                                   out.versions + part.versions, part.finish_reason)
+            if not part.interrupted:
+                return out
+            if len(out.token_ids) >= sampling.max_new_tokens:
+                return replace(out, finish_reason="length")
+            if self.resumed is not None:
+                await self.resumed()
+            else:
+                await asyncio.sleep(0.01)
+        raise RuntimeError(f"request {request_id}: aborted 1000 times in a row")
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    async def serve(self, host: str = "127.0.0.1") -> Endpoint:
+        """Start serving on a free port of `host` (once); returns the endpoint."""
+        if self.endpoint is not None:
+            return self.endpoint
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        self._server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", lifespan="off"))
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+        self.endpoint = Endpoint(f"http://{host}:{sock.getsockname()[1]}/v1", self.model_name, self._api_key)
+        return self.endpoint
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server, self.endpoint = None, None
+
+    def _app(self) -> Any:
+        from fastapi import FastAPI, HTTPException, Request
+        from pydantic import BaseModel, ConfigDict, Field
+
+        class CompletionBody(BaseModel):
+            model_config = ConfigDict(extra="ignore")
+            prompt: list[int] | str
+            max_tokens: int = Field(16, ge=1)
+            temperature: float = Field(1.0, ge=0)
+            top_p: float = Field(1.0, gt=0, le=1)
+            stop: list[str] | str | None = None
+            ignore_eos: bool = False
+
+        app = FastAPI(title="asyncrl inference gateway")
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request) -> dict[str, Any]:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(given.encode(), self._api_key.encode()):
+                raise HTTPException(401, "missing or wrong API key")
+            ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
+            stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+            spec = SamplingSpec(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                stop=stop, ignore_eos=body.ignore_eos)
+            rid = request.headers.get("x-request-id") or secrets.token_hex(8)
+            out = await self.agenerate(ids, spec, f"gw-{rid}")
+            return {"object": "text_completion", "model": self.model_name, "choices": [{
+                "index": 0, "text": self.tokenizer.decode(out.token_ids), "token_ids": out.token_ids,
+                "prompt_token_ids": ids, "logprobs": {"token_logprobs": out.logprobs},
+                "versions": out.versions, "finish_reason": out.finish_reason}]}
+
+        return app
