@@ -3,6 +3,7 @@
     asyncrl train recipe=arith [key=value ...]    # python -m asyncrl.train ...
     asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
     asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
+    asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
 
 Everything after the subcommand goes to Hydra, so its flags work too:
 `--cfg job` prints the resolved config, `--help` lists the config groups.
@@ -15,15 +16,16 @@ import sys
 
 COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
-    "eval": ("asyncrl.evaluate", "held-out accuracy of a policy, generated with vLLM"),
+    "eval": ("asyncrl.evaluate", "held-out accuracy of a policy: `asyncrl eval [CHECKPOINT] recipe=...`"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
+    "serve-env": ("asyncrl.agents.server", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
     "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async`"),
 }
 
 
 def usage() -> str:
     lines = ["usage: asyncrl COMMAND [recipe=NAME] [key=value ...] [hydra flags]", "", "commands:"]
-    lines += [f"  {name:<8}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<10}{help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "e.g. asyncrl train recipe=arith algorithm.max_staleness=2",
               "     asyncrl train recipe=arith --cfg job      # print the resolved config",
               "     asyncrl train --help                      # config groups and options"]

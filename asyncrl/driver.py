@@ -169,6 +169,9 @@ class Driver:
                 reason = group_filter_reason(g, cfg.algorithm.loss)
                 self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
             step_samples = sum(len(g.trajectories) for g in groups)
+            if len(self.agents.weights) > 1:  # the multi-task mix as trained
+                metrics.update({f"batch/groups/{env}": n for env, n in
+                                collections.Counter(g.env_id for g in groups).items()})
             self.samples += step_samples
             if step % cfg.algorithm.sync_every_steps == 0:
                 metrics.update(self._sync())

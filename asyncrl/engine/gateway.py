@@ -21,8 +21,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from fastapi import FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+
 from asyncrl.engine.inference import Endpoint, InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
+
+
+class CompletionBody(BaseModel):
+    """The part of an OpenAI completions request the gateway honours (other fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: list[int] | str
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
 
 
 class InferenceGateway(InferenceInterface):
@@ -83,19 +98,7 @@ class InferenceGateway(InferenceInterface):
             await self._task
             self._server, self.endpoint = None, None
 
-    def _app(self) -> Any:
-        from fastapi import FastAPI, HTTPException, Request
-        from pydantic import BaseModel, ConfigDict, Field
-
-        class CompletionBody(BaseModel):
-            model_config = ConfigDict(extra="ignore")
-            prompt: list[int] | str
-            max_tokens: int = Field(16, ge=1)
-            temperature: float = Field(1.0, ge=0)
-            top_p: float = Field(1.0, gt=0, le=1)
-            stop: list[str] | str | None = None
-            ignore_eos: bool = False
-
+    def _app(self) -> FastAPI:
         app = FastAPI(title="asyncrl inference gateway")
 
         @app.post("/v1/completions")

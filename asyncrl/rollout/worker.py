@@ -272,7 +272,7 @@ class RolloutWorker:
         if not group.complete():
             return
         done = TrajectoryGroup(group.group_id, group.problem.prompt_id, list(group.trajectories),
-                               env_id=group.problem.task)
+                               env_id=group.agent.env_id)
         self.stats.groups_emitted += 1
         if self.sink is None:  # 5)
             self._groups.append(done)

@@ -1,0 +1,121 @@
+"""`asyncrl serve-env` on loopback through real HTTP: authentication, request limits,
+malformed bodies, unknown envs, and that only registered agent types can be served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ASYNCRL
+
+TOKEN = "test-token-0123456789abcdef"
+CONFIG = Path(__file__).resolve().parents[1] / "recipes" / "multi_task" / "env_server.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config: Path, port: int, token: str = TOKEN, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "ASYNCRL_ENV_TOKEN": token}
+    return subprocess.Popen([*ASYNCRL, "serve-env", "--config", str(config), "--port", str(port), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve-env exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("serve-env did not come up")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = start_server(CONFIG, port, TOKEN, "--max-request-bytes", "4096")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+INFERENCE = {"base_url": "http://127.0.0.1:9/v1"}  # nothing listens there
+
+
+def test_requests_without_the_right_token_are_refused(server):
+    r = httpx.post(server + "/problems/", json={"env_id": "word_problems"})
+    assert r.status_code == 401 and "missing bearer token" in r.json()["detail"]
+    r = httpx.post(server + "/problems/", json={"env_id": "word_problems"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 403 and r.json()["detail"] == "invalid bearer token"
+    r = httpx.get(server + "/envs/", headers={"Authorization": f"Basic {TOKEN}"})
+    assert r.status_code == 403
+
+
+def test_authorized_requests_list_envs_and_problems_without_answers(server):
+    envs = httpx.get(server + "/envs/", headers=AUTH).json()["envs"]
+    assert [e["env_id"] for e in envs] == ["word_problems", "retry"]
+    assert envs[1]["agent_loop"] == "multi_turn"
+    problems = httpx.post(server + "/problems/", json={"env_id": "word_problems", "split": "heldout"},
+                          headers=AUTH).json()["problems"]
+    assert len(problems) == 200 and set(problems[0]) == {"prompt_id", "prompt"}
+
+
+def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
+    r = httpx.post(server + "/problems/", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 422 and "JSON decode error" in r.text
+    r = httpx.post(server + "/problems/", json={"env_id": "word_problems", "splt": "train"}, headers=AUTH)
+    assert r.status_code == 422 and "splt" in r.text and "Extra inputs are not permitted" in r.text
+    r = httpx.post(server + "/grouped_rollouts/", json={"env_id": "word_problems", "group_size": 0,
+                                                        "inference": INFERENCE}, headers=AUTH)
+    assert r.status_code == 422 and "group_size" in r.text
+    r = httpx.post(server + "/evaluation/", json={"env_id": "word_problems", "inference": {"base_url": "file:///"}},
+                   headers=AUTH)
+    assert r.status_code == 422 and "base_url" in r.text
+    r = httpx.post(server + "/problems/", json={"env_id": "x" * 5000}, headers=AUTH)
+    assert r.status_code == 413 and "over the server's limit of 4096 bytes" in r.json()["detail"]
+    # an agent (or a module) that is not configured on the server cannot be reached by naming it
+    r = httpx.post(server + "/rollouts/", json={"env_id": "os.system", "inference": INFERENCE}, headers=AUTH)
+    assert r.status_code == 404
+    assert r.json()["detail"] == "unknown env_id 'os.system'; this server hosts: word_problems, retry"
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "problem_ids": ["retry/train/999999"],
+                                                "inference": INFERENCE}, headers=AUTH)
+    assert r.status_code == 404 and "no train problem 'retry/train/999999'" in r.json()["detail"]
+    # an inference endpoint that cannot be reached: a failed trajectory with its reason, not a crash
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "problem_ids": ["retry/train/0"],
+                                                "inference": INFERENCE}, headers=AUTH, timeout=60)
+    assert r.status_code == 200
+    traj = r.json()["rollouts"][0]
+    assert traj["status"] == "failed" and traj["failure_reason"].startswith("loop_error: ")
+    assert httpx.get(server + "/health").status_code == 200  # still serving
+
+
+def test_the_server_refuses_to_start_without_a_token_or_with_an_unregistered_type(tmp_path):
+    out = subprocess.run([*ASYNCRL, "serve-env", "--config", str(CONFIG)], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "ASYNCRL_ENV_TOKEN"}, timeout=120)
+    assert out.returncode != 0 and "$ASYNCRL_ENV_TOKEN must hold a bearer token" in out.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CONFIG.read_text().replace("type: reward_only", "type: subprocess.run"))
+    out = subprocess.run([*ASYNCRL, "serve-env", "--config", str(bad)], capture_output=True, text=True,
+                         env={**os.environ, "ASYNCRL_ENV_TOKEN": TOKEN}, timeout=120)
+    assert out.returncode != 0
+    assert "agent type 'subprocess.run' is not registered; registered types: dataset, reward_only, remote" \
+           in out.stderr
