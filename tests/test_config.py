@@ -9,6 +9,7 @@ from asyncrl.config import CONF_DIR, Config, ConfigError, compose, load_config, 
 from tests.conftest import REPO, run_cli
 
 RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+GPU_RECIPES = ["gsm8k_qwen", "retool_qwen"]  # validated here, run on GPU clusters
 GROUP_OPTIONS = [
     (group.name, option.stem)
     for group in sorted(CONF_DIR.iterdir()) if group.is_dir() and group.name != "recipe"
@@ -24,12 +25,34 @@ def test_every_recipe_folder_is_a_recipe_option():
         assert link.resolve() == (REPO / "recipes" / name / "config.yaml").resolve()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", sorted(set(RECIPES) - set(GPU_RECIPES)))
 def test_every_shipped_recipe_validates(recipe, base_model):
     cfg = load_config([f"recipe={recipe}"])
     assert isinstance(cfg, Config)
     assert cfg.recipe.name == recipe
     assert Path(cfg.model.path).is_dir()
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_gpu_recipes_resolve_and_validate_given_their_data_file(recipe, tmp_path):
+    """They need the user's local data file (nothing is downloaded) and name a Hub model."""
+    with pytest.raises(ConfigError, match="data.path='': source=file needs an existing local"):
+        load_config([f"recipe={recipe}"])
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n')
+    cfg = load_config([f"recipe={recipe}", f"data.path={data}"])
+    assert cfg.cluster.device == "cuda" and cfg.engine.dtype == "bfloat16" and cfg.model.path.startswith("Qwen/")
+    assert cfg.data.answer_regex == "####\\s*(.+)$" and "{question}" in cfg.data.prompt_template
+    assert cfg.rollout.agent_loop == ("partial_tool" if recipe == "retool_qwen" else "partial_single_turn")
+
+
+def test_gsm8k_answer_extraction():
+    from recipes.gsm8k_qwen import extract_answer
+
+    assert extract_answer("3 + 4 = 7 apples.\n#### 1,234") == "1234"
+    assert extract_answer("So she has 3.5 left, then 12") == "12"  # no marker: the last number
+    assert extract_answer("<result>99</result>\n#### -8 dollars") == "-8"
+    assert extract_answer("no number") == ""
 
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)

@@ -259,9 +259,15 @@ def _check_agents(c: Config, need: Any, at_least: Any, problems: list[str]) -> N
          f"must be >= the number of training agents ({len(weighted)}): each gets at least one group per step")
 
 
+# A Hugging Face Hub id ("Qwen/Qwen2.5-0.5B-Instruct"): vLLM and the trainer download it at start.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:
+    if not os.path.exists(path) and _HUB_ID.fullmatch(path):
+        return
     if not os.path.isdir(path):
-        problems.append(f"{key}={path!r}: no such directory; give a Hugging Face checkpoint directory "
+        problems.append(f"{key}={path!r}: no such directory; give a Hugging Face checkpoint directory or Hub id "
                         "(config.json, safetensors, tokenizer files). The tiny base model is rebuilt by "
                         "`python scripts/build_base_model.py`")
     elif not os.path.isfile(os.path.join(path, marker)):
