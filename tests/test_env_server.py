@@ -108,6 +108,20 @@ def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
     assert httpx.get(server + "/health").status_code == 200  # still serving
 
 
+def test_the_server_bodies_mirror_the_request_types():
+    from dataclasses import fields
+
+    from asyncrl.agents.api import EvaluationRequest, GroupedRolloutRequest, RolloutRequest
+    from asyncrl.agents.server import EvaluationBody, GroupedRolloutsBody, InferenceBody, RolloutsBody, SamplingBody
+    from asyncrl.engine.inference import Endpoint
+    from asyncrl.types import SamplingSpec
+
+    pairs = [(RolloutRequest, RolloutsBody), (GroupedRolloutRequest, GroupedRolloutsBody),
+             (EvaluationRequest, EvaluationBody), (Endpoint, InferenceBody), (SamplingSpec, SamplingBody)]
+    for request, body in pairs:
+        assert {f.name for f in fields(request)} == set(body.model_fields), request.__name__
+
+
 def test_the_server_refuses_to_start_without_a_token_or_with_an_unregistered_type(tmp_path):
     out = subprocess.run([*ASYNCRL, "serve-env", "--config", str(CONFIG)], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "ASYNCRL_ENV_TOKEN"}, timeout=120)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from asyncrl.config.schema import AgentConfig, Config
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.engine.inference import Endpoint, InferenceInterface
 from asyncrl.metrics import pass_at_k
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -33,28 +33,31 @@ from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryS
 SPLITS = ("train", "heldout")
 
 
-# -- requests ---------------------------------------------------------------------------
+# -- requests (what a remote agent sends the env server; its bodies mirror these) -------------
 
 @dataclass
 class RolloutRequest:
-    """One rollout per named problem (or `num_rollouts` problems the agent draws)."""
+    """One rollout per named train problem (or of the first `num_rollouts`), generated through
+    `inference`, sampled with `sampling` (None: the agent's default)."""
 
     env_id: str
+    inference: Endpoint
     problem_ids: list[str] = field(default_factory=list)
     num_rollouts: int = 1
-    seed: int = 0
+    sampling: SamplingSpec | None = None
 
 
 @dataclass
 class GroupedRolloutRequest:
-    """`group_size` rollouts of each named problem (or of `num_groups` drawn problems)."""
+    """`group_size` rollouts of each named train problem (or of the first `num_groups`)."""
 
     env_id: str
+    inference: Endpoint
     problem_ids: list[str] = field(default_factory=list)
     num_groups: int = 1
     group_size: int = 8
-    group_ids: list[str] = field(default_factory=list)  # the caller's ids for the groups; empty: made up
-    seed: int = 0
+    group_ids: list[str] = field(default_factory=list)  # the caller's ids for the groups; empty: the problem ids
+    sampling: SamplingSpec | None = None
 
 
 @dataclass
@@ -62,6 +65,7 @@ class EvaluationRequest:
     """Greedy plus `n_samples` sampled rollouts of held-out problems; pass@k for each k."""
 
     env_id: str
+    inference: Endpoint
     problem_ids: list[str] = field(default_factory=list)  # empty: the first `num_problems` held-out
     num_problems: int = 0  # 0: the whole held-out split
     n_samples: int = 8

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from omegaconf import MISSING
 
-from asyncrl.agents.api import Agent, EvaluationResponse
+from asyncrl.agents.api import Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.engine.inference import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
@@ -96,20 +96,19 @@ class RemoteAgent(Agent):
         return prompt_id.split(":", 1)[1].partition("#e")[0]
 
     @staticmethod
-    def _endpoint(inference: InferenceInterface) -> dict[str, Any]:
+    def _endpoint(inference: InferenceInterface) -> Endpoint:
         endpoint = getattr(inference, "endpoint", None)
         if not isinstance(endpoint, Endpoint):
             raise RemoteError("a remote agent needs an inference interface reachable over HTTP "
                               f"(with an `endpoint`); got {type(inference).__name__}")
-        return asdict(endpoint)
+        return endpoint
 
     async def grouped_rollout(self, problem: Problem, group_size: int, inference: InferenceInterface,
                               group_id: str = "", sampling: SamplingSpec | None = None) -> TrajectoryGroup:
         group_id = group_id or problem.prompt_id
-        out = await self._post("/grouped_rollouts/", {
-            "env_id": self.remote_env_id, "problem_ids": [self._remote_id(problem.prompt_id)],
-            "group_size": group_size, "group_ids": [group_id], "inference": self._endpoint(inference),
-            "sampling": asdict(sampling or self.sampling())})
+        out = await self._post("/grouped_rollouts/", asdict(GroupedRolloutRequest(
+            self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(problem.prompt_id)],
+            group_size=group_size, group_ids=[group_id], sampling=sampling or self.sampling())))
         group = TrajectoryGroup.from_dict(out["groups"][0])
         group.prompt_id, group.env_id = problem.prompt_id, self.env_id
         for t in group.trajectories:
@@ -122,10 +121,9 @@ class RemoteAgent(Agent):
 
     async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
                        temperature: float, pass_k: list[int]) -> EvaluationResponse:
-        out = await self._post("/evaluation/", {
-            "env_id": self.remote_env_id, "problem_ids": [self._remote_id(p.prompt_id) for p in problems],
-            "n_samples": n_samples, "temperature": temperature, "pass_k": list(pass_k),
-            "inference": self._endpoint(inference)})
+        out = await self._post("/evaluation/", asdict(EvaluationRequest(
+            self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(p.prompt_id) for p in problems],
+            n_samples=n_samples, temperature=temperature, pass_k=list(pass_k))))
         response = EvaluationResponse.from_dict(out)
         response.env_id = self.env_id
         for r, p in zip(response.results, problems):

@@ -153,10 +153,9 @@ class RolloutWorker:
         jobs = []
         for env_id, ps in by_env.items():
             agent = self.agents[env_id]
-            inference = self.gateway
             if agent.remote:
-                await self.gateway.serve()
-            jobs.append(agent.evaluate(ps, inference, n_sampled, temperature, pass_k))
+                await self.gateway.serve()  # its env server generates through the gateway
+            jobs.append(agent.evaluate(ps, self.gateway, n_sampled, temperature, pass_k))
         return list(await asyncio.gather(*jobs))
 
     async def _resumed(self) -> None:
