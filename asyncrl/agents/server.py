@@ -194,7 +194,10 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         a = agent(body.env_id)
         chosen = problems(a, "train", body.problem_ids, body.num_rollouts)
         engine, spec = inference(a, body.inference), sampling(a, body.sampling)
-        trajs = await asyncio.gather(*[a.rollout(p, engine, spec) for p in chosen])
+        try:
+            trajs = await asyncio.gather(*[a.rollout(p, engine, spec) for p in chosen])
+        finally:
+            await engine.aclose()
         return {"rollouts": [t.to_dict() for t in trajs]}
 
     @app.post("/grouped_rollouts/", dependencies=[Depends(authorized)])
@@ -208,8 +211,11 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
                                 f"{MAX_ROLLOUTS_PER_REQUEST} rollouts per request")
         engine, spec = inference(a, body.inference), sampling(a, body.sampling)
         ids = body.group_ids or [p.prompt_id for p in chosen]
-        groups = await asyncio.gather(*[a.grouped_rollout(p, body.group_size, engine, gid, spec)
-                                        for p, gid in zip(chosen, ids)])
+        try:
+            groups = await asyncio.gather(*[a.grouped_rollout(p, body.group_size, engine, gid, spec)
+                                            for p, gid in zip(chosen, ids)])
+        finally:
+            await engine.aclose()
         return {"groups": [g.to_dict() for g in groups]}
 
     @app.post("/evaluation/", dependencies=[Depends(authorized)])
@@ -219,8 +225,11 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         if bad:
             raise HTTPException(422, f"pass_k {bad[0]} must be in [1, n_samples={body.n_samples}]")
         chosen = problems(a, "heldout", body.problem_ids, body.num_problems)
-        response = await a.evaluate(chosen, inference(a, body.inference), body.n_samples, body.temperature,
-                                    body.pass_k)
+        engine = inference(a, body.inference)
+        try:
+            response = await a.evaluate(chosen, engine, body.n_samples, body.temperature, body.pass_k)
+        finally:
+            await engine.aclose()
         return response.to_dict()
 
     return _BodyLimit(app, max_request_bytes)
