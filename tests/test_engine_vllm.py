@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agent_loops import get_agent_loop
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import ray_engines
 
@@ -20,16 +20,6 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Calculate 5 - 3 + 2.\nAnswer: ", "Calculate -( 4 + 7 ) - 1.\nAnswer: ",
            "Calculate 9 + 8 - 6 + 1.\nAnswer: "]
-
-
-class RayEngineClient(InferenceInterface):
-    """The inference interface over a Ray actor handle (what the rollout worker hands loops)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def agenerate(self, prompt_token_ids, sampling, request_id):
-        return await self.handle.generate.remote(prompt_token_ids, sampling, request_id)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +66,7 @@ def run_loop(engine, tokenizer, prompt, max_new_tokens, pause_after_s=None):
     async def go():
         loop_cls = get_agent_loop("partial_single_turn")
         sampling = SamplingSpec(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-        loop = loop_cls(RayEngineClient(engine), tokenizer, sampling, max_model_len=128)
+        loop = loop_cls(EngineRouter([engine]).client(), tokenizer, sampling, max_model_len=128)
         traj = Trajectory("p", "g", tokenizer.encode(prompt))
         task = asyncio.ensure_future(loop.run(traj))
         if pause_after_s is None:

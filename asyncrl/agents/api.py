@@ -123,6 +123,14 @@ class EvaluationResponse:
 
 # -- the agent --------------------------------------------------------------------------
 
+@functools.cache
+def load_tokenizer(path: str) -> Any:
+    """One tokenizer per path and process, shared by every agent (and the rollout worker)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Agent(ABC):
     """An environment. Subclasses give `problems` and `reward` (and, multi-turn, `observe`);
     running the loop, scoring, grouped rollouts and pass@k evaluation are shared."""
@@ -137,9 +145,23 @@ class Agent(ABC):
         self.params = params
         self.cfg = cfg
 
-    @abstractmethod
     def problems(self, split: str) -> list[Problem]:
         """The problems of a split ("train" or "heldout"); ids are stable across calls."""
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
+        return self._splits[split]
+
+    @abstractmethod
+    def load_splits(self) -> dict[str, list[Problem]]:
+        """Every split's problems, built once (on first use)."""
+
+    @functools.cached_property
+    def _splits(self) -> dict[str, list[Problem]]:
+        return self.load_splits()
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, dict[str, Problem]]:
+        return {split: {p.prompt_id: p for p in self.problems(split)} for split in SPLITS}
 
     @abstractmethod
     def reward(self, problem: Problem, response: str) -> float:
@@ -152,9 +174,7 @@ class Agent(ABC):
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.cfg.model.tokenizer_path or self.cfg.model.path)
+        return load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
 
     def sampling(self, temperature: float | None = None) -> SamplingSpec:
         r = self.cfg.rollout
@@ -229,10 +249,10 @@ class Agent(ABC):
 
     def find_problems(self, split: str, problem_ids: list[str], count: int) -> list[Problem]:
         """The named problems of a split (KeyError naming an unknown id), or its first `count`."""
-        problems = self.problems(split)
         if not problem_ids:
+            problems = self.problems(split)
             return problems[:count] if count else problems
-        by_id = {p.prompt_id: p for p in problems}
+        by_id = self._by_id[split]
         missing = [i for i in problem_ids if i not in by_id]
         if missing:
             raise KeyError(f"env {self.env_id!r} has no {split} problem {missing[0]!r}"

@@ -15,7 +15,6 @@ is skipped and counted (logged once per file), never a crash.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
 import re
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.agents.api import SPLITS, Agent
+from asyncrl.agents.api import Agent
 from asyncrl.config.schema import AgentConfig, Config, DataConfig
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
 from asyncrl.tasks import Problem, TaskSource
@@ -47,16 +46,10 @@ class DatasetAgent(Agent):
         self.hooks: RecipeHooks = load_recipe_hooks(params.module or cfg.recipe.module)
         self.skipped_rows = 0
 
-    def problems(self, split: str) -> list[Problem]:
-        if split not in SPLITS:
-            raise ValueError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
-        return self._splits[split]
-
     def reward(self, problem: Problem, response: str) -> float:
         return self.hooks.reward(problem, response)
 
-    @functools.cached_property
-    def _splits(self) -> dict[str, list[Problem]]:
+    def load_splits(self) -> dict[str, list[Problem]]:
         p = self.params
         if p.source == "file":
             return self._file_splits()

@@ -8,12 +8,14 @@ each agent's problems are drawn in a seeded shuffle, epoch after epoch.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 from dataclasses import replace
 from typing import Any
 
-from asyncrl.agents.api import Agent
+from asyncrl.agents.api import Agent, EvaluationResponse
+from asyncrl.engine.inference import InferenceInterface
 from asyncrl.tasks import Problem
 
 
@@ -67,6 +69,21 @@ class WeightedMultiTask:
             return self.agents[env_id]
         except KeyError:
             raise KeyError(f"unknown env_id {env_id!r}; this run has {', '.join(self.agents)}") from None
+
+    def agent_for(self, problem: Problem) -> Agent:
+        """The problem's agent; a problem without an env id belongs to a run's only agent."""
+        if not problem.env_id and len(self.agents) == 1:
+            return next(iter(self.agents.values()))
+        return self[problem.env_id]
+
+    async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
+                       temperature: float, pass_k: list[int]) -> list[EvaluationResponse]:
+        """Each agent's pass@k evaluation of its problems, all at once."""
+        by_env: dict[str, list[Problem]] = {}
+        for p in problems:
+            by_env.setdefault(self.agent_for(p).env_id, []).append(p)
+        return list(await asyncio.gather(*[self[env].evaluate(ps, inference, n_samples, temperature, pass_k)
+                                           for env, ps in by_env.items()]))
 
     def heldout(self, per_env: int) -> list[Problem]:
         """The first `per_env` held-out problems of every agent, evaluation-only ones included."""

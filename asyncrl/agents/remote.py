@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from omegaconf import MISSING
 
-from asyncrl.agents.api import Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest
+from asyncrl.agents.api import SPLITS, Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.engine.inference import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
@@ -47,7 +47,6 @@ class RemoteAgent(Agent):
         if not params.url.startswith(("http://", "https://")):
             raise ValueError(f"env {spec.env_id!r}: params.url={params.url!r}: must start with http:// or https://")
         self.remote_env_id = params.remote_env_id or spec.env_id
-        self._problems: dict[str, list[Problem]] = {}  # split -> problems, fetched once
 
     def _headers(self) -> dict[str, str]:
         token = os.environ.get(self.params.token_env, "")
@@ -79,15 +78,14 @@ class RemoteAgent(Agent):
 
     # -- the agent API over HTTP ----------------------------------------------------------
 
-    def problems(self, split: str) -> list[Problem]:
-        return self._problems[split] if split in self._problems else self._fetch(split)
+    def load_splits(self) -> dict[str, list[Problem]]:
+        return {split: self._fetch(split) for split in SPLITS}
 
     def _fetch(self, split: str) -> list[Problem]:
         rows = self._post_sync("/problems/", {"env_id": self.remote_env_id, "split": split})["problems"]
         # Ids are the server's, prefixed with this env id so that they stay unique in the run.
-        self._problems[split] = [Problem(prompt_id=f"{self.env_id}:{r['prompt_id']}", task="", question=r["prompt"],
-                                         prompt=r["prompt"], answer="", env_id=self.env_id) for r in rows]
-        return self._problems[split]
+        return [Problem(prompt_id=f"{self.env_id}:{r['prompt_id']}", task="", question=r["prompt"],
+                        prompt=r["prompt"], answer="", env_id=self.env_id) for r in rows]
 
     def reward(self, problem: Problem, response: str) -> float:
         raise RemoteError(f"env {self.env_id!r} is remote: its server scores its rollouts")

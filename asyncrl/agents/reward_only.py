@@ -18,7 +18,6 @@ episode also ends after `max_turns` model turns.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -49,11 +48,6 @@ class RewardOnlyAgent(Agent):
             if not callable(getattr(self.module, hook, None)):
                 raise ValueError(f"env {spec.env_id!r}: module {params.module!r} defines no {hook}()")
 
-    def problems(self, split: str) -> list[Problem]:
-        if split not in SPLITS:
-            raise ValueError(f"split {split!r}: must be one of {', '.join(SPLITS)}")
-        return self._splits[split]
-
     def reward(self, problem: Problem, response: str) -> float:
         return float(self.module.reward(problem, response))
 
@@ -63,8 +57,7 @@ class RewardOnlyAgent(Agent):
             return None
         return hook(problem, response, turn)
 
-    @functools.cached_property
-    def _splits(self) -> dict[str, list[Problem]]:
+    def load_splits(self) -> dict[str, list[Problem]]:
         out = {}
         for split in SPLITS:
             rows = list(self.module.problems(split))

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import os
 import sys
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -158,8 +160,14 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
             raise HTTPException(404, f"unknown env_id {env_id!r}; this server hosts: {', '.join(agents.agents)}")
         return agents.agents[env_id]
 
-    def inference(a: Agent, body: InferenceBody) -> OpenAIInference:
-        return OpenAIInference(Endpoint(**body.model_dump()), tokenizer=a.tokenizer)
+    @contextlib.asynccontextmanager
+    async def inference(a: Agent, body: InferenceBody) -> AsyncIterator[OpenAIInference]:
+        """The request's inference endpoint, for the request's lifetime."""
+        engine = OpenAIInference(Endpoint(**body.model_dump()), tokenizer=a.tokenizer)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
 
     def sampling(a: Agent, body: SamplingBody | None) -> SamplingSpec:
         return SamplingSpec(**body.model_dump()) if body is not None else a.sampling()
@@ -193,11 +201,9 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
     async def rollouts(body: RolloutsBody) -> dict[str, Any]:
         a = agent(body.env_id)
         chosen = problems(a, "train", body.problem_ids, body.num_rollouts)
-        engine, spec = inference(a, body.inference), sampling(a, body.sampling)
-        try:
+        spec = sampling(a, body.sampling)
+        async with inference(a, body.inference) as engine:
             trajs = await asyncio.gather(*[a.rollout(p, engine, spec) for p in chosen])
-        finally:
-            await engine.aclose()
         return {"rollouts": [t.to_dict() for t in trajs]}
 
     @app.post("/grouped_rollouts/", dependencies=[Depends(authorized)])
@@ -209,13 +215,10 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         if len(chosen) * body.group_size > MAX_ROLLOUTS_PER_REQUEST:
             raise HTTPException(422, f"{len(chosen)} groups x {body.group_size} exceeds "
                                 f"{MAX_ROLLOUTS_PER_REQUEST} rollouts per request")
-        engine, spec = inference(a, body.inference), sampling(a, body.sampling)
-        ids = body.group_ids or [p.prompt_id for p in chosen]
-        try:
+        ids, spec = body.group_ids or [p.prompt_id for p in chosen], sampling(a, body.sampling)
+        async with inference(a, body.inference) as engine:
             groups = await asyncio.gather(*[a.grouped_rollout(p, body.group_size, engine, gid, spec)
                                             for p, gid in zip(chosen, ids)])
-        finally:
-            await engine.aclose()
         return {"groups": [g.to_dict() for g in groups]}
 
     @app.post("/evaluation/", dependencies=[Depends(authorized)])
@@ -225,11 +228,8 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         if bad:
             raise HTTPException(422, f"pass_k {bad[0]} must be in [1, n_samples={body.n_samples}]")
         chosen = problems(a, "heldout", body.problem_ids, body.num_problems)
-        engine = inference(a, body.inference)
-        try:
+        async with inference(a, body.inference) as engine:
             response = await a.evaluate(chosen, engine, body.n_samples, body.temperature, body.pass_k)
-        finally:
-            await engine.aclose()
         return response.to_dict()
 
     return _BodyLimit(app, max_request_bytes)

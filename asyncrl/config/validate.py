@@ -108,7 +108,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
 
     # data: the `agents`, or the one dataset agent the `data` section makes
     if c.agents:
-        _check_agents(c, need, at_least, problems)
+        _check_agents(c, need, at_least, one_of, problems)
     else:
         _check_data("data", c.data, need, at_least, one_of)
 
@@ -229,7 +229,7 @@ def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None
          "must contain the placeholder {question}")
 
 
-def _check_agents(c: Config, need: Any, at_least: Any, problems: list[str]) -> None:
+def _check_agents(c: Config, need: Any, at_least: Any, one_of: Any, problems: list[str]) -> None:
     from agent_loops import registered_agent_loops
     from asyncrl.agents.registry import agent_params  # here: the agents import the config schema
 
@@ -250,8 +250,7 @@ def _check_agents(c: Config, need: Any, at_least: Any, problems: list[str]) -> N
             problems.append(f"{key} ({spec.env_id}): {e}")
             continue
         if spec.type == "dataset":
-            _check_data(f"{key}.params", params, need, at_least,
-                        lambda k, v, ch: need(v in ch, k, v, f"must be one of {', '.join(ch)}"))
+            _check_data(f"{key}.params", params, need, at_least, one_of)
     weighted = [s for s in c.agents if s.weight > 0]
     need(bool(weighted), "agents[*].weight", [s.weight for s in c.agents],
          "at least one agent needs a weight > 0 (weight 0: evaluation only)")

@@ -33,10 +33,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from agent_loops import get_agent_loop
-from asyncrl.agents.api import Agent, EvaluationResponse
+from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
@@ -85,9 +83,7 @@ class RolloutWorker:
         self.router = EngineRouter(engines)
         self.sink = sink
         self.agents = agents or build_agents(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        for agent in self.agents.agents.values():
-            agent.tokenizer = self.tokenizer  # one tokenizer for the worker
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         self.stats = WorkerStats()
@@ -147,16 +143,9 @@ class RolloutWorker:
                        pass_k: list[int]) -> list[EvaluationResponse]:
         """Each agent's pass@k evaluation of its problems (one greedy rollout and `n_sampled` at
         `temperature` each), outside training: never interrupted, no groups emitted."""
-        by_env: dict[str, list[Problem]] = collections.defaultdict(list)
-        for p in problems:
-            by_env[self._agent(p).env_id].append(p)
-        jobs = []
-        for env_id, ps in by_env.items():
-            agent = self.agents[env_id]
-            if agent.remote:
-                await self.gateway.serve()  # its env server generates through the gateway
-            jobs.append(agent.evaluate(ps, self.gateway, n_sampled, temperature, pass_k))
-        return list(await asyncio.gather(*jobs))
+        if any(self.agents.agent_for(p).remote for p in problems):
+            await self.gateway.serve()  # their env servers generate through the gateway
+        return await self.agents.evaluate(problems, self.gateway, n_sampled, temperature, pass_k)
 
     async def _resumed(self) -> None:
         """Returns once a weight sync in abort mode is over (the gateway's requests wait here)."""
@@ -184,18 +173,12 @@ class RolloutWorker:
 
     # -- one problem, one sample -------------------------------------------------------
 
-    def _agent(self, problem: Problem) -> Agent:
-        """The problem's agent; a problem without an env id belongs to a run's only agent."""
-        if not problem.env_id and len(self.agents.agents) == 1:
-            return next(iter(self.agents.agents.values()))
-        return self.agents[problem.env_id]
-
     def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
         """The row's pending group, or None with a counted reason."""
         ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
         reason, agent, loop_name = None, None, problem.agent_loop
         try:
-            agent = self._agent(problem)
+            agent = self.agents.agent_for(problem)
             loop_name = problem.agent_loop or agent.agent_loop
             get_agent_loop(loop_name)
         except KeyError as e:
