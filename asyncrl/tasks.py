@@ -69,11 +69,21 @@ class TaskSource:
                     prompt_id=f"{split}/{task.name}/{i}",
                     task=task.name,
                     question=entry["question"],
-                    prompt=self.cfg.prompt_template.format(question=entry["question"]),
+                    prompt=format_prompt(self.cfg.prompt_template, task.name, entry),
                     answer=str(entry["answer"]),
                     entry=entry,
                 ))
         return problems
+
+
+def format_prompt(template: str, task: str, entry: dict[str, Any]) -> str:
+    """The template with {question} and any field of the task's metadata (chain_sum: {expression})."""
+    fields = {**entry.get("metadata", {}), "question": entry["question"]}
+    try:
+        return template.format(**fields)
+    except KeyError as e:
+        raise ValueError(f"prompt_template {template!r}: {e} is not a field of task {task!r} "
+                         f"(fields: {', '.join(sorted(fields))})") from None
 
 
 def score_answer(problem: Problem, answer_text: str) -> float:

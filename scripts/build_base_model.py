@@ -2,12 +2,14 @@
 
     python scripts/build_base_model.py                       # -> recipes/arith/base_model
     python scripts/build_base_model.py --out /tmp/m --max-steps 50   # a quick smoke build
+    python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900 --keep-final
 
 1. Train a character-level (byte-level BPE with no merges) tokenizer.
 2. Build a Qwen2 causal LM small enough for a laptop CPU (hidden 128, 4 layers,
    4 heads of 32: vLLM-CPU's attention needs head_dim >= 32) — an architecture
    vLLM, transformers and megatron-core all load.
-3. Supervised warm-up on the recipe's train problems (loss on the answer only).
+3. Supervised warm-up on the recipe's train problems (loss on the answer only, or on the
+   recipe's worked solution when its module defines `sft_target(problem) -> str`).
 4. Every --eval-every steps, measure greedy accuracy and pass@8 on a selection split
    (its own seed, disjoint from the held-out split) and keep the checkpoint where
    pass@8 - greedy is largest while greedy stays within [--min-greedy, --max-greedy]:
@@ -19,11 +21,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,20 +54,21 @@ def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
         vocab_size=len(alphabet) + 1, special_tokens=[EOS], initial_alphabet=alphabet, show_progress=False
     )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=256)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=512)
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, hidden: int = 128, layers: int = 4
+                ) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=512,  # > the 257 tokens; a multiple of 128 so megatron needs no vocab padding up to TP=4
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
         head_dim=32,
-        max_position_embeddings=256,
+        max_position_embeddings=512,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,  # like Qwen2.5-0.5B, so the tied-embedding paths are exercised
         bos_token_id=tokenizer.eos_token_id,
@@ -74,12 +79,13 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
     return Qwen2ForCausalLM(config)
 
 
-def make_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + answer + EOS; labels only on answer and EOS."""
+def make_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem],
+               target: Callable[[Problem], str]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + target + EOS; labels only on the target and EOS."""
     rows = []
     for p in problems:
         prompt = tokenizer.encode(p.prompt)
-        answer = tokenizer.encode(p.answer) + [tokenizer.eos_token_id]
+        answer = tokenizer.encode(target(p)) + [tokenizer.eos_token_id]
         rows.append((prompt + answer, [-100] * len(prompt) + answer))
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
@@ -131,7 +137,13 @@ def main() -> None:
     parser.add_argument("--min-greedy", type=float, default=0.15)
     parser.add_argument("--max-greedy", type=float, default=0.50)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-final", action="store_true",
+                        help="keep the last step's checkpoint (the schedule run to its end) instead of selecting one")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 32)")
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
+    if args.keep_final:  # one evaluation, at the end, and that checkpoint is kept
+        args.eval_every, args.min_greedy, args.max_greedy = args.max_steps, 0.0, 1.0
 
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -139,15 +151,17 @@ def main() -> None:
     data_cfg = OmegaConf.to_object(cfg.data)
     out = Path(args.out or cfg.model.path)
     extract_answer = load_recipe_hooks(cfg.recipe.module).extract_answer
+    # What the model learns to write: the recipe's worked solution if it has one, else the bare answer.
+    target = getattr(importlib.import_module(cfg.recipe.module), "sft_target", lambda p: p.answer)
     max_new_tokens = cfg.rollout.max_new_tokens
 
     # 1. data and tokenizer
     source = TaskSource(data_cfg)
     selection = source.generate_split("selection", SELECTION_SEED, args.selection_size)
     train = source.train
-    tokenizer = build_tokenizer([p.prompt + p.answer for p in train[:2000]])
+    tokenizer = build_tokenizer([p.prompt + target(p) for p in train[:2000]])
     # 2. model
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, args.hidden, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {len(train)} train problems", flush=True)
 
@@ -162,7 +176,7 @@ def main() -> None:
     t0 = time.time()
     model.train()
     for step in range(1, args.max_steps + 1):
-        loss = model(**make_batch(tokenizer, rng.sample(train, args.batch_size))).loss
+        loss = model(**make_batch(tokenizer, rng.sample(train, args.batch_size), target)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -195,7 +209,8 @@ def main() -> None:
     tokenizer.save_pretrained(out)
     info = {
         "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step,
-        "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr, "parameters": n_params,
+        "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr,
+        "hidden": args.hidden, "layers": args.layers, "keep_final": args.keep_final, "parameters": n_params,
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},
         "heldout": {"size": len(heldout), "greedy": heldout_greedy, "pass@8": heldout_passk},
         "build_seconds": round(time.time() - t0, 1),

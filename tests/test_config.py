@@ -55,6 +55,27 @@ def test_gsm8k_answer_extraction():
     assert extract_answer("no number") == ""
 
 
+def test_chain_sum_cot_worked_solutions_score_and_vary_in_length():
+    from omegaconf import OmegaConf
+
+    from asyncrl.tasks import Problem, TaskSource, score_answer
+    from recipes.chain_sum_cot import extract_answer, sft_target
+
+    data = OmegaConf.to_object(compose(["recipe=chain_sum_cot"]).data)
+    problems = TaskSource(data).heldout
+    by_hand = Problem(prompt_id="x", task="chain_sum", question="4 + 1 - 7 =", prompt="4 + 1 - 7 =\n", answer="-2",
+                      entry={"metadata": {"expression": "4 + 1 - 7"}})
+    assert sft_target(by_hand) == "4 +1=5 -7=-2 Answer: -2"
+    targets = [sft_target(p) for p in problems]
+    assert all(score_answer(p, extract_answer(t)) == 1.0 for p, t in zip(problems, targets))
+    lengths = sorted(len(t) for t in targets)
+    assert lengths[0] <= 20 and lengths[-1] >= 80  # 2 to 12 terms: the long tail the benchmark needs
+    assert extract_answer("4 +1=5 -7=-2 Answer: -2") == "-2"
+    assert extract_answer("Answer: 3 +1=4 Answer: 4") == "4"
+    assert extract_answer("4 +1=5 -7=-2") == ""  # never answered: no reward
+
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_validates_with_the_default_recipe(group, option, base_model):
     load_config([f"{group}={option}"])

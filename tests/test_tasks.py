@@ -64,3 +64,13 @@ def test_tasks_mix_by_weight():
 def test_largest_remainder_split(total, weights, expected):
     tasks = [TaskConfig(name=f"t{i}", weight=w) for i, w in enumerate(weights)]
     assert _split_by_weight(total, tasks) == expected
+
+
+def test_prompt_template_may_use_the_tasks_metadata_fields():
+    chain = TaskConfig(name="chain_sum", params={"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1})
+    source = TaskSource(data_config(tasks=[chain], heldout_size=20, train_size=20, prompt_template="{expression} =\n"))
+    p = source.heldout[0]
+    assert p.prompt == f"{p.entry['metadata']['expression']} =\n" and p.prompt.strip() in p.question
+    with pytest.raises(ValueError, match=r"'\{expresion\} =': 'expresion' is not a field of task 'chain_sum' "
+                                         r"\(fields: .*expression.*question"):
+        TaskSource(data_config(tasks=[chain], prompt_template="{expresion} ="))

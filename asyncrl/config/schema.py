@@ -70,7 +70,8 @@ class DataConfig:
     # also occur in the train split are removed from the train split.
     train_seed: int = 1
     heldout_seed: int = 2
-    # `{question}` is replaced by the task's question text.
+    # `{question}` is replaced by the task's question text; reasoning-gym tasks may also use
+    # fields of their metadata (chain_sum: `{expression}`).
     prompt_template: str = "{question}"
 
 

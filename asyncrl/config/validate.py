@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import string
 import sys
 from pathlib import Path
 from typing import Any
@@ -225,8 +226,13 @@ def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None
                 need(False, f"{key}.answer_regex", d.answer_regex, f"not a regular expression: {e}")
     at_least(f"{key}.train_size", d.train_size, 1)
     at_least(f"{key}.heldout_size", d.heldout_size, 1)
-    need("{question}" in d.prompt_template, f"{key}.prompt_template", d.prompt_template,
-         "must contain the placeholder {question}")
+    fields = {f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f}
+    if d.source == "reasoning_gym":  # {question} or fields of the task's metadata, checked when generating
+        need(bool(fields), f"{key}.prompt_template", d.prompt_template,
+             "needs a placeholder: {question}, or a field of the task's metadata such as chain_sum's {expression}")
+    else:
+        need(fields == {"question"}, f"{key}.prompt_template", d.prompt_template,
+             "must contain the placeholder {question} and no other")
 
 
 def _check_agents(c: Config, need: Any, at_least: Any, one_of: Any, problems: list[str]) -> None:
