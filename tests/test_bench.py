@@ -39,7 +39,7 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
 
 
 def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
-    out = run_cli("bench", "sync-vs-async", "recipe=arith", "bench.train_s=8", "algorithm.prompts_per_step=4",
+    out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "algorithm.prompts_per_step=4",
                   "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",
                   "logging.wandb.enabled=false", "cluster.dashboard=false", f"run.output_dir={tmp_path / 'runs'}",
                   cwd=tmp_path, timeout=900)

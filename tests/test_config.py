@@ -105,6 +105,7 @@ def test_presets_set_what_they_promise(base_model):
     ("cluster.device=tpu", ["cluster.device='tpu'", "cpu, cuda"]),
     ("data.tasks.0.name=no_such_task", ["data.tasks[0].name='no_such_task'", "not a reasoning-gym task"]),
     ("data.prompt_template=hello", ["data.prompt_template='hello'", "{question}"]),
+    ("engine.cpu_threads_bind=everywhere", ["engine.cpu_threads_bind='everywhere'", '"nobind"']),
 ])
 def test_bad_value_names_key_value_and_what_is_valid(override, expected, base_model):
     with pytest.raises(ConfigError) as err:

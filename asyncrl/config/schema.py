@@ -100,6 +100,10 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = True
     cpu_kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; vLLM-CPU fails to start without it
+    # VLLM_CPU_OMP_THREADS_BIND: "auto" (vLLM's: every core of the NUMA node), "nobind", or
+    # cores such as "0" or "0-3". Binding the engine to fewer cores than the machine has keeps
+    # its OpenMP threads from fighting the trainer's when both run at once (fully async).
+    cpu_threads_bind: str = "auto"
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0
 

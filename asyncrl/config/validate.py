@@ -122,6 +122,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
          f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
     at_least("engine.max_num_seqs", c.engine.max_num_seqs, 1)
     at_least("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, "vLLM-CPU needs a KV cache")
+    need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", c.engine.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
+         c.engine.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
     need(0 < c.engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
          c.engine.gpu_memory_utilization, "must be in (0, 1]")
     need(c.engine.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", c.engine.num_cpus_per_engine, "must be > 0")

@@ -25,6 +25,7 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
     if device == "cpu":
         # GiB of KV cache; unset, vLLM-CPU sizes it from the NUMA node and fails on small VMs.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:
