@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 32)")
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
+    if args.hidden % 32:
+        parser.error(f"--hidden {args.hidden}: must be a multiple of 32 (heads of 32)")
     if args.keep_final:  # one evaluation, at the end, and that checkpoint is kept
         args.eval_every, args.min_greedy, args.max_greedy = args.max_steps, 0.0, 1.0
 
