@@ -33,6 +33,18 @@ def test_build_samples_advantages_filters_and_counts():
     assert kept.stats["samples"] == 4 and [x.advantage for x in kept.samples[2:]] == [0.0, 0.0]
 
 
+def test_truncated_responses_count_in_the_group_but_can_be_left_untrained():
+    group = TrajectoryGroup("a", "a", [traj("a", 1.0), traj("a", 0.0), traj("a", 0.0, status="truncated"),
+                                       traj("a", 0.0)])
+    # rewards 1, 0, 0, 0: mean 0.25, sample std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    # -> A = 0.75 / 0.5001 and -0.25 / 0.5001
+    masked = build_samples([group], LossConfig(mask_truncated=True))
+    assert [x.advantage for x in masked.samples] == pytest.approx([1.4997, -0.49990, -0.49990], abs=1e-4)
+    assert (masked.stats["trajectories_truncated"], masked.stats["trajectories_masked_truncated"]) == (1, 1)
+    trained = build_samples([group], LossConfig())
+    assert trained.stats["samples"] == 4 and trained.stats["trajectories_masked_truncated"] == 0
+
+
 def test_pack_keeps_tokens_and_masks_and_isolates_sequences():
     a = traj("a", 1.0, response=(7, 8))
     b = traj("a", 0.0, response=(5,), env=(60, 61))  # policy 5, tool 60 61, policy 9

@@ -146,6 +146,9 @@ class LossConfig:
     aggregation: str = "token"  # token | sequence
     normalize_adv_std: bool = True
     filter_uniform_groups: bool = True  # drop groups whose rewards are all equal
+    # DAPO's overlong filtering: a response cut at max_new_tokens still counts in its group's
+    # advantages but is not trained on (its reward says nothing about its tokens).
+    mask_truncated: bool = False
 
 
 @dataclass

@@ -3,8 +3,8 @@
 1) `build_samples`: each usable trajectory becomes a `TrainSample` (prompt + response
    token ids exactly as the engine produced them, behaviour logprobs mu, loss mask,
    per-token versions) with its group-relative advantage.
-   Failed trajectories and (optionally) groups whose rewards are all equal are left
-   out and counted.
+   Failed trajectories, (optionally) groups whose rewards are all equal and
+   (optionally) truncated responses are left out and counted.
 2) `assign_weights` gives each token its aggregation weight within one optimizer
    update; `shard_for_data_parallel` gives each data-parallel rank a share, balanced
    by tokens.
@@ -60,7 +60,8 @@ def group_filter_reason(group: TrajectoryGroup, loss: LossConfig) -> str | None:
 def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
-             "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0}
+             "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
+             "trajectories_masked_truncated": 0}
     rewards_all: list[float] = []
     for group in groups:
         usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
@@ -76,6 +77,9 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
         for traj, adv in zip(usable, group_advantages(rewards, loss.normalize_adv_std)):
             mask = traj.loss_mask
             if not traj.segments or not any(mask):
+                continue
+            if loss.mask_truncated and traj.status is TrajectoryStatus.TRUNCATED:
+                stats["trajectories_masked_truncated"] += 1
                 continue
             samples.append(TrainSample(
                 tokens=list(traj.prompt_token_ids) + traj.response_token_ids,
