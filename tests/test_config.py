@@ -75,7 +75,6 @@ def test_chain_sum_cot_worked_solutions_score_and_vary_in_length():
     assert extract_answer("4 +1=5 -7=-2") == ""  # never answered: no reward
 
 
-
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_validates_with_the_default_recipe(group, option, base_model):
     load_config([f"{group}={option}"])

@@ -6,7 +6,8 @@ its longest responses while the engine's batch empties; the asynchronous one kee
 
 A response: "4 +1=5 +7=12 -7=5 Answer: 5" — the first term, then each operator and term
 with the running sum, then the answer. Base model: recipes/chain_sum_cot/base_model, built by
-`python scripts/build_base_model.py --recipe chain_sum_cot` (supervised on `sft_target`).
+`python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900
+--keep-final` (supervised on `sft_target`; docs/base_model.md).
 """
 
 from __future__ import annotations
