@@ -3,7 +3,9 @@
 A recipe module (recipes/<name>/__init__.py) defines
   - `extract_answer(response) -> str`: the answer in the generated text, for the task's scorer;
   - optionally `reward(problem, response) -> float`: a reward of its own. Without it the
-    reward is the task's scorer on the extracted answer.
+    reward is the task's scorer on the extracted answer;
+  - optionally `sft_target(problem) -> str`: the text scripts/build_base_model.py trains the
+    base model to write (a worked solution). Without it, the bare answer.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ class RecipeHooks:
     module: str
     extract_answer: Callable[[str], str]
     custom_reward: Callable[[Problem, str], float] | None = None
+    custom_sft_target: Callable[[Problem], str] | None = None
 
     def reward(self, problem: Problem, response: str) -> float:
         if self.custom_reward is not None:
             return float(self.custom_reward(problem, response))
         return score_answer(problem, self.extract_answer(response))
+
+    def sft_target(self, problem: Problem) -> str:
+        return self.custom_sft_target(problem) if self.custom_sft_target is not None else problem.answer
 
 
 def load_recipe_hooks(module: str) -> RecipeHooks:
@@ -39,4 +45,7 @@ def load_recipe_hooks(module: str) -> RecipeHooks:
     reward = getattr(mod, "reward", None)
     if reward is not None and not callable(reward):
         raise ValueError(f"recipe.module={module!r}: `reward` must be a function (problem, response) -> float")
-    return RecipeHooks(module=module, extract_answer=extract, custom_reward=reward)
+    sft_target = getattr(mod, "sft_target", None)
+    if sft_target is not None and not callable(sft_target):
+        raise ValueError(f"recipe.module={module!r}: `sft_target` must be a function (problem) -> str")
+    return RecipeHooks(module=module, extract_answer=extract, custom_reward=reward, custom_sft_target=sft_target)

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import random
@@ -152,9 +151,9 @@ def main() -> None:
     cfg = compose([f"recipe={args.recipe}", *args.overrides])
     data_cfg = OmegaConf.to_object(cfg.data)
     out = Path(args.out or cfg.model.path)
-    extract_answer = load_recipe_hooks(cfg.recipe.module).extract_answer
-    # What the model learns to write: the recipe's worked solution if it has one, else the bare answer.
-    target = getattr(importlib.import_module(cfg.recipe.module), "sft_target", lambda p: p.answer)
+    hooks = load_recipe_hooks(cfg.recipe.module)
+    extract_answer = hooks.extract_answer
+    target = hooks.sft_target  # what the model learns to write: a worked solution, or the bare answer
     max_new_tokens = cfg.rollout.max_new_tokens
 
     # 1. data and tokenizer
