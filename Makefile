@@ -10,9 +10,12 @@ BASE_MODEL := recipes/arith/base_model
 venv:
 	@bash scripts/setup_venv.sh
 
+# two stages (recipes/arith/config.yaml): learn to work problems out, then to answer directly
 $(BASE_MODEL)/config.json:
 	$(MAKE) venv
-	$(BIN)/python scripts/build_base_model.py
+	$(BIN)/python scripts/build_base_model.py --batch-size 32 --max-steps 2400 --keep-final --out build/arith_worked
+	$(BIN)/python scripts/build_base_model.py --init-from build/arith_worked --direct-fraction 0.8 \
+		--batch-size 32 --max-steps 300 --lr 3e-4 --keep-final
 
 base-model: $(BASE_MODEL)/config.json
 

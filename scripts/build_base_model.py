@@ -3,6 +3,7 @@
     python scripts/build_base_model.py                       # -> recipes/arith/base_model
     python scripts/build_base_model.py --out /tmp/m --max-steps 50   # a quick smoke build
     python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900 --keep-final
+    python scripts/build_base_model.py --init-from DIR --direct-fraction 0.8 ...  # a second stage
 
 1. Train a character-level (byte-level BPE with no merges) tokenizer.
 2. Build a Qwen2 causal LM small enough for a laptop CPU (hidden 128, 4 layers,
@@ -10,6 +11,10 @@
    vLLM, transformers and megatron-core all load.
 3. Supervised warm-up on the recipe's train problems (loss on the answer only, or on the
    recipe's worked solution when its module defines `sft_target(problem) -> str`).
+   With --direct-fraction F, each target is instead, with probability F, the recipe's
+   `direct_answer(problem)`; with --init-from, training continues from a built model (its
+   tokenizer and weights). Together they make a two-stage base: one that learned to work
+   problems out, then to answer directly most of the time.
 4. Every --eval-every steps, measure greedy accuracy and pass@8 on a selection split
    (its own seed, disjoint from the held-out split) and keep the checkpoint where
    pass@8 - greedy is largest while greedy stays within [--min-greedy, --max-greedy]:
@@ -120,6 +125,14 @@ def accuracy(model, tokenizer, problems: list[Problem], extract_answer, k: int,
     return greedy_hits / len(problems), passk_hits / len(problems)
 
 
+def _build_info(model_dir: str | None) -> dict | None:
+    """The build_info.json of the model a build continued from (None for a new model)."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir) / "build_info.json"
+    return json.loads(path.read_text()) if path.exists() else {"path": str(model_dir)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.tasks.0.params.max_digits=1")
@@ -140,9 +153,15 @@ def main() -> None:
                         help="keep the last step's checkpoint (the schedule run to its end) instead of selecting one")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 32)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--init-from", default=None,
+                        help="continue from this built model (tokenizer and weights) instead of a new one")
+    parser.add_argument("--direct-fraction", type=float, default=0.0,
+                        help="probability that a target is the recipe's direct_answer instead of its sft_target")
     args = parser.parse_args()
     if args.hidden % 32:
         parser.error(f"--hidden {args.hidden}: must be a multiple of 32 (heads of 32)")
+    if not 0.0 <= args.direct_fraction <= 1.0:
+        parser.error(f"--direct-fraction {args.direct_fraction}: must be in [0, 1]")
     if args.keep_final:  # one evaluation, at the end, and that checkpoint is kept
         args.eval_every, args.min_greedy, args.max_greedy = args.max_steps, 0.0, 1.0
 
@@ -153,16 +172,26 @@ def main() -> None:
     out = Path(args.out or cfg.model.path)
     hooks = load_recipe_hooks(cfg.recipe.module)
     extract_answer = hooks.extract_answer
-    target = hooks.sft_target  # what the model learns to write: a worked solution, or the bare answer
+    rng = random.Random(args.seed)  # draws the batches and the mix of targets
+    def target(problem: Problem) -> str:  # what the model learns to write: a worked solution, or the bare answer
+        if args.direct_fraction and rng.random() < args.direct_fraction:
+            return hooks.direct_answer(problem)
+        return hooks.sft_target(problem)
+
     max_new_tokens = cfg.rollout.max_new_tokens
 
     # 1. data and tokenizer
     source = TaskSource(data_cfg)
     selection = source.generate_split("selection", SELECTION_SEED, args.selection_size)
     train = source.train
-    tokenizer = build_tokenizer([p.prompt + target(p) for p in train[:2000]])
     # 2. model
-    model = build_model(tokenizer, args.seed, args.hidden, args.layers)
+    if args.init_from:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
+        model = Qwen2ForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32)
+        args.hidden, args.layers = model.config.hidden_size, model.config.num_hidden_layers
+    else:
+        tokenizer = build_tokenizer([p.prompt + hooks.sft_target(p) + hooks.direct_answer(p) for p in train[:2000]])
+        model = build_model(tokenizer, args.seed, args.hidden, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {len(train)} train problems", flush=True)
 
@@ -172,7 +201,6 @@ def main() -> None:
         return min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(step, args.max_steps) / args.max_steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    rng = random.Random(args.seed)
     best = None  # (gap, step, greedy, passk, state_dict)
     t0 = time.time()
     model.train()
@@ -212,6 +240,7 @@ def main() -> None:
         "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step,
         "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr,
         "hidden": args.hidden, "layers": args.layers, "keep_final": args.keep_final, "parameters": n_params,
+        "direct_fraction": args.direct_fraction, "init_from": _build_info(args.init_from),
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},
         "heldout": {"size": len(heldout), "greedy": heldout_greedy, "pass@8": heldout_passk},
         "build_seconds": round(time.time() - t0, 1),

@@ -22,7 +22,7 @@ def test_loads_in_transformers_with_a_vllm_cpu_compatible_shape(base_model):
     assert model.config.head_dim in VLLM_CPU_HEAD_DIMS  # vLLM-CPU attention crashes on others
     assert model.config.vocab_size % 128 == 0  # megatron TP needs no vocab padding
     tok = AutoTokenizer.from_pretrained(base_model)
-    text = "Calculate -( 20 + 67 + -59 ).\nAnswer: -28"
+    text = "-( 20 + 67 + -59 ) =\n48 + -59 = -11 Answer: -11"
     assert tok.decode(tok.encode(text)) == text
     assert tok.eos_token_id < model.config.vocab_size
 
@@ -31,20 +31,25 @@ def test_build_info_shows_rl_headroom(base_model):
     info = json.loads((base_model / "build_info.json").read_text())
     heldout = info["heldout"]
     assert heldout["size"] == 500
-    assert 0.15 <= heldout["greedy"] <= 0.50, heldout
+    assert heldout["greedy"] <= 0.50, heldout
     assert heldout["pass@8"] - heldout["greedy"] >= 0.30, heldout
+    # the two stages: worked solutions first (mostly right), then mostly direct answers
+    assert info["direct_fraction"] == 0.8 and info["init_from"]["direct_fraction"] == 0.0
+    assert info["init_from"]["heldout"]["greedy"] >= heldout["greedy"] + 0.30, info
 
 
 @pytest.mark.slow
 def test_build_is_deterministic_from_its_seed(tmp_path):
-    def build(out):
+    def build(out, *stage):
         cmd = [sys.executable, str(REPO / "scripts" / "build_base_model.py"), "--out", str(out), "--max-steps", "20",
-               "--eval-every", "20", "--selection-size", "16", "--heldout-size", "16", "--min-greedy", "0"]
+               "--eval-every", "20", "--selection-size", "16", "--heldout-size", "16", "--min-greedy", "0", *stage]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         return (out / "model.safetensors").read_bytes(), (out / "tokenizer.json").read_bytes()
 
     assert build(tmp_path / "a") == build(tmp_path / "b")
+    second_stage = ["--init-from", str(tmp_path / "a"), "--direct-fraction", "0.5"]
+    assert build(tmp_path / "c", *second_stage) == build(tmp_path / "d", *second_stage) != build(tmp_path / "a")
 
 
 @pytest.mark.slow

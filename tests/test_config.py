@@ -75,6 +75,42 @@ def test_chain_sum_cot_worked_solutions_score_and_vary_in_length():
     assert extract_answer("4 +1=5 -7=-2") == ""  # never answered: no reward
 
 
+def test_arith_worked_solutions_reduce_one_operation_a_step():
+    from omegaconf import OmegaConf
+
+    from asyncrl.tasks import TaskSource, score_answer
+    from recipes.arith import direct_answer, extract_answer, reduction_steps, sft_target
+
+    # by hand: innermost group first, left to right; a group holding one number loses its parentheses
+    assert reduction_steps("( -9 - 8 ) + 6") == ["-17 + 6", "-11"]
+    assert reduction_steps("5 + -4 + 2 - -2") == ["1 + 2 - -2", "3 - -2", "5"]
+    assert reduction_steps("-( ( -6 - -5 ) + 3 - -9 )") == ["-( -1 + 3 - -9 )", "-( 2 - -9 )", "-11"]
+    assert reduction_steps("( -( -8 - -7 ) ) + -8") == ["1 + -8", "-7"]
+    cfg = compose(["recipe=arith"])
+    problems = TaskSource(OmegaConf.to_object(cfg.data)).heldout
+    assert problems[0].prompt == problems[0].entry["metadata"]["expression"] + " =\n"
+    for p in problems:
+        assert score_answer(p, extract_answer(sft_target(p))) == 1.0
+        assert score_answer(p, extract_answer(direct_answer(p))) == 1.0
+        assert len(sft_target(p)) < cfg.rollout.max_new_tokens  # one token a character, then EOS
+    assert extract_answer("-17 + 6 = -11 Answer: -11") == "-11" and extract_answer("-17 + 6 = -11") == ""
+
+
+def test_recipe_hooks_default_to_the_bare_answer_and_reject_non_functions(tmp_path, monkeypatch):
+    from asyncrl.recipe_hooks import load_recipe_hooks
+    from asyncrl.tasks import Problem
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "plain_recipe.py").write_text("def extract_answer(response):\n    return response\n")
+    (tmp_path / "bad_recipe.py").write_text("def extract_answer(response):\n    return response\n"
+                                            "direct_answer = 'Answer: 7'\n")
+    p = Problem(prompt_id="x", task="t", question="3 + 4", prompt="3 + 4 =\n", answer="7", entry={})
+    hooks = load_recipe_hooks("plain_recipe")
+    assert hooks.sft_target(p) == hooks.direct_answer(p) == "7"
+    with pytest.raises(ValueError, match="`direct_answer` must be a function"):
+        load_recipe_hooks("bad_recipe")
+
+
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_validates_with_the_default_recipe(group, option, base_model):
     load_config([f"{group}={option}"])
@@ -168,5 +204,5 @@ def test_arith_tool_recipe_extends_arith_with_the_tool_loop(base_model):
     arith, tool = load_config(["recipe=arith"]), load_config(["recipe=arith_tool"])
     assert tool.rollout.agent_loop == "partial_tool" and tool.recipe.module == "recipes.arith_tool"
     assert tool.data == arith.data and tool.model.path.endswith("recipes/arith_tool/base_model")
-    assert extract_answer("<tool:calculator>3 + 4</tool><result>7</result>7\nmore") == "7"
-    assert extract_answer("-12") == "-12"
+    assert extract_answer("<tool:calculator>3 + 4</tool><result>7</result>Answer: 7") == "7"
+    assert extract_answer("Answer: -12") == "-12"

@@ -1,6 +1,6 @@
 """A copy of the tiny base model that always calls the calculator, for tool-loop tests:
 
-    Calculate 3 + 4 - 2.\\nAnswer: <tool:calculator>3 + 4 - 2</tool><result>5</result>5<eos>
+    3 + 4 - 2 =\\n<tool:calculator>3 + 4 - 2</tool><result>5</result>Answer: 5<eos>
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Teach the tiny arith base model the calculator call format by supervised fine-tuning.
 
-With the tool:    Calculate 3 + 4 - 2.\\nAnswer: <tool:calculator>3 + 4 - 2</tool><result>5</result>5<eos>
-Without it:       Calculate 3 + 4 - 2.\\nAnswer: 5<eos>
+With the tool:    3 + 4 - 2 =\\n<tool:calculator>3 + 4 - 2</tool><result>5</result>Answer: 5<eos>
+Without it:       3 + 4 - 2 =\\nAnswer: 5<eos>
 `tool_fraction` of the demonstrations use the tool. Deterministic from its seed.
 """
 
@@ -15,13 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import load_config
 from asyncrl.tasks import Problem, TaskSource
+from recipes.arith import direct_answer
 
 
 def demonstration(problem: Problem, with_tool: bool) -> str:
     if not with_tool:
-        return problem.answer
+        return direct_answer(problem)
     expression = problem.entry["metadata"]["expression"]
-    return f"<tool:calculator>{expression}</tool><result>{problem.answer}</result>{problem.answer}"
+    return f"<tool:calculator>{expression}</tool><result>{problem.answer}</result>" + direct_answer(problem)
 
 
 def build_tool_model(out: Path, steps: int = 200, seed: int = 0, tool_fraction: float = 1.0,

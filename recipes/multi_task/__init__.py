@@ -1,9 +1,10 @@
 """multi_task recipe: several environments in one run (see config.yaml).
 
-The answer hook is arith's (the tiny base model answers on the line after "Answer: ");
+Every env prompts "...\\nAnswer: ", so the answer is the response's first line;
 `retry_env` is the multi-turn, reward-only environment.
 """
 
-from recipes.arith import extract_answer
 
-__all__ = ["extract_answer"]
+def extract_answer(response: str) -> str:
+    """The model answers right after the prompt's "Answer: "; anything after a newline is ignored."""
+    return response.split("\n", 1)[0].strip()
