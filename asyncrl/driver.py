@@ -78,8 +78,10 @@ class Driver:
         self.placement_group, slots = self._place()
         logger.info("starting %d engine(s), %d rollout worker(s), %d trainer rank(s)", cfg.engine.num_engines,
                     cfg.rollout.num_workers, len(slots["trainer"]))
+        # Only `keep` pauses let a request outlive its weights; otherwise vLLM need not stream.
+        stream = cfg.algorithm.pause_mode == "keep"
         self.engines = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i), **slots["engine"][i])
-                        .remote(i, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+                        .remote(i, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream)
                         for i in range(cfg.engine.num_engines)]
         engine_start = [e.start.remote() for e in self.engines]
         self.trainer = TrainerGroup(cfg, slots["trainer"])  # the trainer loads while the engines start

@@ -125,7 +125,8 @@ async def _evaluate(cfg: Config, agents: WeightedMultiTask, problems: list[Probl
     else:
         from asyncrl.engine.engine_actor import EngineActor
 
-        engine = EngineActor(0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+        engine = EngineActor(0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device,
+                             stream_outputs=False)  # never paused
         await engine.start()
         pick, model = (lambda: _InProcessEngine(engine)), cfg.model.path
     gateway = InferenceGateway(pick, tokenizer)

@@ -33,8 +33,9 @@ def base_model() -> Path:
 
 
 @contextlib.contextmanager
-def ray_engines(model_path: str | Path, count: int = 1) -> Iterator[list]:
-    """`count` started EngineActors on `model_path` in a fresh local Ray cluster (shut down after)."""
+def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[bool] | None = None) -> Iterator[list]:
+    """`count` started EngineActors on `model_path` in a fresh local Ray cluster (shut down after);
+    `stream_outputs[i]` is engine i's setting (default: all stream, as with pause_mode=keep)."""
     import ray
 
     from asyncrl.config import load_config
@@ -43,8 +44,9 @@ def ray_engines(model_path: str | Path, count: int = 1) -> Iterator[list]:
     cfg = load_config([])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
+        streams = stream_outputs or [True] * count
         handles = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
-            i, str(model_path), "", cfg.engine, "cpu") for i in range(count)]
+            i, str(model_path), "", cfg.engine, "cpu", streams[i]) for i in range(count)]
         infos = ray.get([h.start.remote() for h in handles])
         assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
         yield handles

@@ -18,14 +18,20 @@ from tests.conftest import ray_engines
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["Calculate 5 - 3 + 2.\nAnswer: ", "Calculate -( 4 + 7 ) - 1.\nAnswer: ",
-           "Calculate 9 + 8 - 6 + 1.\nAnswer: "]
+PROMPTS = ["5 - 3 + 2 =\n", "-( 4 + 7 ) - 1 =\n", "9 + 8 - 6 + 1 =\n"]  # the arith recipe's format
 
 
 @pytest.fixture(scope="module")
-def engine(base_model):
-    with ray_engines(base_model) as (handle,):
-        yield handle
+def engines(base_model):
+    """A streaming engine (per-token versions, as with pause_mode=keep) and one that sends a
+    single output a request (pause_mode=abort)."""
+    with ray_engines(base_model, 2, stream_outputs=[True, False]) as handles:
+        yield handles
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,9 @@ def run_loop(engine, tokenizer, prompt, max_new_tokens, pause_after_s=None):
     return asyncio.run(go())
 
 
-def test_abort_and_resume_equals_uninterrupted_greedy(engine, tokenizer):
+@pytest.mark.parametrize("streams", [True, False], ids=["streaming", "final_only"])
+def test_abort_and_resume_equals_uninterrupted_greedy(engines, tokenizer, streams):
+    engine = engines[0] if streams else engines[1]
     prompt, n = PROMPTS[0], 90
     reference, _ = run_loop(engine, tokenizer, prompt, n)
     assert reference.trajectory.num_response_tokens == n
@@ -103,8 +111,13 @@ def test_abort_and_resume_equals_uninterrupted_greedy(engine, tokenizer):
     assert all(0 <= p < n for p in partials)
 
 
+def test_an_engine_that_does_not_stream_refuses_keep_pauses(engines):
+    with pytest.raises(ValueError, match="pause\\('keep'\\) needs per-token versions"):
+        ray.get(engines[1].pause.remote("keep"))
+
+
 def test_keep_mode_completes_in_flight_requests_across_a_weight_load(engine, tokenizer, base_model):
-    ids = tokenizer.encode(PROMPTS[1])  # 34 tokens: 34 + 90 fit in max_model_len 128
+    ids = tokenizer.encode(PROMPTS[1])  # 17 tokens: 17 + 90 fit in max_model_len 128
     refs = [engine.generate.remote(ids, SamplingSpec(max_new_tokens=90, ignore_eos=True), f"keep{i}")
             for i in range(8)]
     time.sleep(0.1)

@@ -10,7 +10,8 @@ In one run, on the same engine configuration, the same prompts and sampling go t
       EngineActor (Ray actor), with the same concurrency limit.
 Both engines stay up; `bench.rounds` rounds alternate (a) and (b), and the ratio is the
 median of the per-round ratios, so machine noise hits both sides of a ratio alike. Then, on (b)'s engine, `pause` with
-`bench.pause_requests` requests in flight and `resume` are timed, for both modes.
+`bench.pause_requests` requests in flight and `resume` are timed: in `abort` mode, and in `keep` mode when
+`algorithm.pause_mode=keep` (only then does the engine stream per-token versions, and (a) streams too).
 Engine start-up and `bench.warmup_rounds` untimed rounds are excluded. The last line printed is one JSON
 object:
   {"bench": "rollout", "raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s", ...}
@@ -40,14 +41,14 @@ def bench_sampling(cfg: Config) -> SamplingSpec:
 class RawVLLM:
     """(a): a bare AsyncLLM in this process, sent the request the EngineActor sends."""
 
-    def __init__(self, cfg: Config, sampling: SamplingSpec):
+    def __init__(self, cfg: Config, sampling: SamplingSpec, stream: bool):
         configure_vllm_env(cfg.engine, cfg.cluster.device)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = vllm_engine_kwargs(cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
-        self.params = vllm_sampling_params(sampling)  # exactly the EngineActor's request
+        self.params = vllm_sampling_params(sampling, stream)  # exactly the EngineActor's request
         self.concurrency = cfg.rollout.max_concurrent_loops
 
     async def run(self, tag: str, prompts: list[list[int]], n: int) -> int:
@@ -76,11 +77,11 @@ class RawVLLM:
 class FrameworkPath:
     """(b): RolloutWorker (Ray actor) -> partial_single_turn -> EngineActor (Ray actor)."""
 
-    def __init__(self, cfg: Config, sampling: SamplingSpec):
+    def __init__(self, cfg: Config, sampling: SamplingSpec, stream: bool):
         import ray
 
         self.engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
-            0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
+            0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream)
         ray.get(self.engine.start.remote())
         self.worker = ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, 0)).remote(
             0, cfg, [self.engine], None, None, sampling)
@@ -120,7 +121,8 @@ async def _timed(coro) -> tuple[int, float]:
 
 async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[list[int]]) -> dict[str, Any]:
     sampling = bench_sampling(cfg)
-    raw, framework = RawVLLM(cfg, sampling), FrameworkPath(cfg, sampling)
+    stream = cfg.algorithm.pause_mode == "keep"  # as the driver starts its engines
+    raw, framework = RawVLLM(cfg, sampling, stream), FrameworkPath(cfg, sampling, stream)
     try:
         for w in range(cfg.bench.warmup_rounds):  # untimed: both paths reach their steady state
             await raw.run(f"warmup{w}", prompt_ids, cfg.bench.n_samples)
@@ -132,7 +134,8 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
             tokens, seconds = await _timed(framework.run(problems, cfg.bench.n_samples))
             fw_rates.append(tokens / seconds)
             print(f"round {r}: raw vLLM {raw_rates[-1]:.0f} tok/s, framework {fw_rates[-1]:.0f} tok/s", flush=True)
-        pauses = {mode: await framework.pause_resume_s(cfg, prompt_ids[0], mode) for mode in ("abort", "keep")}
+        modes = ("abort", "keep") if stream else ("abort",)
+        pauses = {mode: await framework.pause_resume_s(cfg, prompt_ids[0], mode) for mode in modes}
     finally:
         raw.shutdown()
     # Rounds are paired (raw then framework, back to back): the median of the per-round
@@ -147,7 +150,8 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
         "pause_resume_s": round(pauses[cfg.algorithm.pause_mode][0], 4),
         "pause_mode": cfg.algorithm.pause_mode,
         "pause_resume_abort_s": round(pauses["abort"][0], 4),
-        "pause_resume_keep_s": round(pauses["keep"][0], 4),
+        "pause_resume_keep_s": round(pauses["keep"][0], 4) if "keep" in pauses else None,
+        "engine_streams": stream,
         "in_flight_at_pause": pauses["abort"][1],
         "rounds_raw_tok_s": [round(x) for x in raw_rates],
         "rounds_framework_tok_s": [round(x) for x in fw_rates],

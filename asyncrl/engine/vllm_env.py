@@ -49,8 +49,9 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     return kwargs
 
 
-def vllm_sampling_params(sampling: SamplingSpec) -> Any:
-    """The vLLM request for a SamplingSpec: sampled-token logprobs, streamed deltas.
+def vllm_sampling_params(sampling: SamplingSpec, stream: bool = True) -> Any:
+    """The vLLM request for a SamplingSpec: sampled-token logprobs, and either streamed
+    deltas (`stream`) or one final output holding every token (also when aborted).
 
     Call after `configure_vllm_env` (it imports vLLM).
     """
@@ -65,7 +66,7 @@ def vllm_sampling_params(sampling: SamplingSpec) -> Any:
         include_stop_str_in_output=True,
         ignore_eos=sampling.ignore_eos,
         logprobs=0,
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         # Token in, token out: text is needed only to match stop strings.
         detokenize=bool(sampling.stop),
     )
