@@ -83,13 +83,15 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
         assert a["train/tokens"] == b["train/tokens"]
-    # Adam turns float-rounding differences in tiny gradients into differences of up to
-    # ~1% of one update (lr=1e-3): compare against how far training moved the weights.
+    # Adam normalises each gradient element, so an element whose gradient is near zero takes
+    # a step of any size from float-rounding noise alone (seen: 2% of the movement on one
+    # element). Compare the weights as a whole: TP=2 must move them where TP=1 did.
     base = load_file(f"{BASE_MODEL}/model.safetensors")
-    moved = max(float((w1[k] - base[k]).abs().max()) for k in w1)
-    diffs = {k: float((w1[k] - w2[k]).abs().max()) for k in w1}
-    assert moved > 1e-3
-    assert max(diffs.values()) < 0.02 * moved, sorted(diffs.items(), key=lambda kv: -kv[1])[:6]
+    moved = torch.cat([(w1[k] - base[k]).flatten() for k in w1]).norm()
+    differs = torch.cat([(w1[k] - w2[k]).flatten() for k in w1]).norm()
+    assert moved > 1e-2
+    worst = sorted(((float((w1[k] - w2[k]).abs().max()), k) for k in w1), reverse=True)[:4]
+    assert differs < 1e-3 * moved, (float(differs), float(moved), worst)
 
     def load(group):
         extra = group.call("load_checkpoint", str(tmp_path / "ckpt_tp2"))
