@@ -53,3 +53,27 @@ def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[boo
         ray.get([h.shutdown.remote() for h in handles])
     finally:
         ray.shutdown()
+
+
+def assert_same_greedy(resumed: list[int], reference: list[int], prompt: list[int], model_path: str | Path,
+                       tie_nats: float = 1e-3) -> int | None:
+    """Greedy token ids of a resumed run equal the uninterrupted run's, except where the model
+    is indifferent: a resumed request recomputes the prefix in one prefill instead of token by
+    token, and those float sums differ in the last bits, which can flip a near-tie. The first
+    differing token is accepted only if, by Hugging Face on the common prefix, both tokens lie
+    within `tie_nats` of the best one (a real resume bug, a lost or doubled token, differs at a
+    confident position). Returns that index, or None if the runs are equal."""
+    if resumed == reference:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(resumed, reference)) if a != b), None)
+    assert i is not None, f"one run is a prefix of the other ({len(resumed)} vs {len(reference)} tokens)"
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt + reference[:i]])).logits[0, -1].log_softmax(-1)
+    best = float(logprobs.max())
+    gaps = {tok: best - float(logprobs[tok]) for tok in (resumed[i], reference[i])}
+    assert max(gaps.values()) < tie_nats, f"runs differ at token {i} where the model is not indifferent: {gaps}"
+    return i

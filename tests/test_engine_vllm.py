@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agent_loops import get_agent_loop
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
-from tests.conftest import ray_engines
+from tests.conftest import assert_same_greedy, ray_engines
 
 pytestmark = pytest.mark.slow
 
@@ -109,6 +109,19 @@ def test_abort_and_resume_equals_uninterrupted_greedy(engines, tokenizer, stream
     # The pauses must have landed mid-generation, at different points.
     assert len(set(partials)) >= 2, partials
     assert all(0 <= p < n for p in partials)
+
+
+def test_the_near_tie_check_accepts_only_a_tie(engine, tokenizer, base_model):
+    """The check the resume tests use when greedy runs differ: it passes equal runs, and rejects
+    a difference where the model is confident and a run that stops early."""
+    ids = tokenizer.encode(PROMPTS[0])
+    greedy = generate(engine, ids, "tie-check", max_new_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    assert assert_same_greedy(list(greedy), list(greedy), ids, base_model) is None
+    swapped = [*greedy[:3], (greedy[3] + 1) % 257, *greedy[4:]]
+    with pytest.raises(AssertionError, match="not indifferent"):
+        assert_same_greedy(swapped, list(greedy), ids, base_model)
+    with pytest.raises(AssertionError, match="prefix"):
+        assert_same_greedy(list(greedy[:5]), list(greedy), ids, base_model)
 
 
 def test_an_engine_that_does_not_stream_refuses_keep_pauses(engines):

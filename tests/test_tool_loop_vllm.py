@@ -18,7 +18,7 @@ from asyncrl.config import load_config
 from asyncrl.engine.inference import InferenceInterface
 from asyncrl.tasks import TaskSource
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
-from tests.conftest import ray_engines
+from tests.conftest import assert_same_greedy, ray_engines
 from tests.tool_model import build_tool_model
 
 pytestmark = pytest.mark.slow
@@ -75,10 +75,14 @@ def reference(engine, tokenizer, prompt):
     return outcome.trajectory
 
 
-def assert_same(a: Trajectory, b: Trajectory):
-    assert a.response_token_ids == b.response_token_ids
-    assert a.loss_mask == b.loss_mask
-    assert a.status == b.status
+def assert_same(a: Trajectory, b: Trajectory, model_path):
+    """a (interrupted and resumed) equals b (uninterrupted) token for token, up to a float near-tie."""
+    tie = assert_same_greedy(a.response_token_ids, b.response_token_ids, b.prompt_token_ids, model_path)
+    if tie is None:
+        assert a.loss_mask == b.loss_mask
+        assert a.status == b.status
+    else:  # what follows a flipped near-tie is a different (equally greedy) continuation
+        assert a.loss_mask[:tie] == b.loss_mask[:tie]
 
 
 def test_the_model_calls_the_calculator_and_sees_the_result(engine, tokenizer, prompts):
@@ -94,7 +98,8 @@ def test_the_model_calls_the_calculator_and_sees_the_result(engine, tokenizer, p
 
 
 @pytest.mark.parametrize("where", ["before_start", "call_pending", "during_tool_call"])
-def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tokenizer, prompts, where, monkeypatch):
+def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts, where,
+                                                              monkeypatch):
     for prompt in prompts:
         expected = reference(engine, tokenizer, prompt)
 
@@ -125,10 +130,10 @@ def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tokenizer,
 
         outcome = asyncio.run(go())
         assert outcome.finished
-        assert_same(outcome.trajectory, expected)
+        assert_same(outcome.trajectory, expected, tool_model)
 
 
-def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tokenizer, prompts):
+def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts):
     prompt = prompts[0]
     expected = reference(engine, tokenizer, prompt)
     partial_lengths = set()
@@ -144,5 +149,5 @@ def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tokenize
                 return outcome
             partial_lengths.add(outcome.snapshot.trajectory.num_response_tokens)
             return await loop.resume(outcome.snapshot)
-        assert_same(asyncio.run(go()).trajectory, expected)
+        assert_same(asyncio.run(go()).trajectory, expected, tool_model)
     assert partial_lengths, "no pause landed mid-generation"

@@ -26,13 +26,6 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         # GiB of KV cache; unset, vLLM-CPU sizes it from the NUMA node and fails on small VMs.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
-        if engine.tensor_parallel_size == 1:
-            # One worker: run the model inside vLLM's engine-core process. vLLM-CPU otherwise
-            # adds a worker process, and the two busy-poll each other through shared memory,
-            # burning CPU that the trainer needs (measured: +31 % samples/s on chain_sum_cot).
-            # AsyncLLM still starts the engine core as a fresh process, so its OpenMP
-            # binding works; asyncrl never runs vLLM's in-process `LLM` class.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:
