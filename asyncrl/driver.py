@@ -30,7 +30,7 @@ import ray
 
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.engine.engine_actor import EngineActor, engine_options, engines_stream
 from asyncrl.evaluate import EvalResult, evaluate_with_workers
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.queue.message_queue import MessageQueue, message_queue_options
@@ -78,8 +78,7 @@ class Driver:
         self.placement_group, slots = self._place()
         logger.info("starting %d engine(s), %d rollout worker(s), %d trainer rank(s)", cfg.engine.num_engines,
                     cfg.rollout.num_workers, len(slots["trainer"]))
-        # Only `keep` pauses let a request outlive its weights; otherwise vLLM need not stream.
-        stream = cfg.algorithm.pause_mode == "keep"
+        stream = engines_stream(cfg.algorithm.pause_mode)
         self.engines = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i), **slots["engine"][i])
                         .remote(i, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream)
                         for i in range(cfg.engine.num_engines)]

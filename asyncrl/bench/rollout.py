@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.engine.engine_actor import EngineActor, engine_options, engines_stream
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.tasks import Problem, TaskSource
@@ -121,7 +121,7 @@ async def _timed(coro) -> tuple[int, float]:
 
 async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[list[int]]) -> dict[str, Any]:
     sampling = bench_sampling(cfg)
-    stream = cfg.algorithm.pause_mode == "keep"  # as the driver starts its engines
+    stream = engines_stream(cfg.algorithm.pause_mode)  # as the driver starts its engines
     raw, framework = RawVLLM(cfg, sampling, stream), FrameworkPath(cfg, sampling, stream)
     try:
         for w in range(cfg.bench.warmup_rounds):  # untimed: both paths reach their steady state

@@ -54,6 +54,11 @@ _TIED_OPTIONAL = {"lm_head.weight"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
+def engines_stream(pause_mode: str) -> bool:
+    """Only `keep` pauses let a request outlive its weights; otherwise vLLM need not stream."""
+    return pause_mode == "keep"
+
+
 class EngineActor:
     """One vLLM replica. Receives token ids and sampling settings; returns tokens, their
     logprobs and policy versions. Paused, reloaded and resumed by the driver."""
