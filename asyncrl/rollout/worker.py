@@ -38,6 +38,7 @@ from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
+from asyncrl.cpu_cores import bind_this_process
 from asyncrl.engine.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
@@ -80,6 +81,7 @@ class RolloutWorker:
                  agents: WeightedMultiTask | None = None, sampling: SamplingSpec | None = None):
         self.worker_id = worker_id
         self.cfg = cfg
+        bind_this_process(cfg.rollout.cpu_cores)
         self.router = EngineRouter(engines)
         self.sink = sink
         self.agents = agents or build_agents(cfg)

@@ -25,6 +25,7 @@ optimizer and scheduler state and load at another tensor-parallel size.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import time
@@ -38,6 +39,7 @@ import torch
 
 from asyncrl.algorithm.losses import LossOutput, policy_loss
 from asyncrl.config.schema import Config
+from asyncrl.cpu_cores import bind_this_process
 from asyncrl.sync.collective import (
     BucketPlan,
     broadcast_raw,
@@ -108,6 +110,7 @@ class TrainerRank:
             from asyncrl.trainer.megatron_cpu import apply_cpu_patches, seed_cpu_model_parallel_rng
 
             apply_cpu_patches()
+            bind_this_process(t.cpu_cores)
             torch.set_num_threads(t.torch_threads or max(1, int(t.num_cpus_per_rank)))
         mpu.initialize_model_parallel(tensor_model_parallel_size=t.tensor_parallel_size,
                                       pipeline_model_parallel_size=t.pipeline_parallel_size)
@@ -132,7 +135,8 @@ class TrainerRank:
         n_params = sum(p.numel() for p in self.model[0].parameters())
         info = {"setup_s": time.monotonic() - t0, "params_this_rank": n_params, "transformer_engine": self.use_te,
                 "tp": self.tp_size, "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": self.dp_size,
-                "weight_bytes": self.plan.total_bytes, "weight_buckets": len(self.plan.buckets)}
+                "weight_bytes": self.plan.total_bytes, "weight_buckets": len(self.plan.buckets),
+                "cpu_cores": sorted(os.sched_getaffinity(0))}
         if self.rank == 0:
             logger.info("trainer ready in %.1fs: %s", info["setup_s"], info)
         return info
