@@ -86,8 +86,8 @@ class Driver:
         self.trainer = TrainerGroup(cfg, slots["trainer"])  # the trainer loads while the engines start
         trainer_info = self.trainer.setup()
         for i, info in enumerate(ray.get(engine_start)):
-            logger.info("engine-%d: vLLM started in %.0fs, %.2f GiB resident, on cores %s", i, info["start_s"],
-                        info["rss_gib"], info["cpu_cores"])
+            logger.info("engine-%d: vLLM started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
+                        info["start_s"], info["rss_gib"], info["cpu_cores"], info["vllm_processes"])
         a = cfg.algorithm
         capacity = (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
         self.queue = ray.remote(MessageQueue).options(**message_queue_options()).remote(capacity)

@@ -49,6 +49,8 @@ def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[boo
             i, str(model_path), "", cfg.engine, "cpu", streams[i]) for i in range(count)]
         infos = ray.get([h.start.remote() for h in handles])
         assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
+        # engine.cpu_model_in_engine_core (the default): no vLLM worker process beside the engine core
+        assert all(info["vllm_processes"] == ["VLLM::EngineCore"] for info in infos), infos
         yield handles
         ray.get([h.shutdown.remote() for h in handles])
     finally:

@@ -95,7 +95,8 @@ class EngineActor:
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
-        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(), "cpu_cores": _tree_cores()}
+        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(), "cpu_cores": _tree_cores(),
+                "vllm_processes": _vllm_processes()}
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info
@@ -286,6 +287,17 @@ def _tree_rss_gib() -> float:
         except psutil.NoSuchProcess:
             pass
     return total / 2**30
+
+
+def _vllm_processes() -> list[str]:
+    """vLLM's processes under this actor, by title (VLLM::EngineCore, VLLM::Worker...)."""
+    names = []
+    for p in _tree()[1:]:
+        try:
+            names.append(" ".join(p.cmdline()).strip() or p.name())  # setproctitle pads the title
+        except psutil.NoSuchProcess:
+            pass
+    return sorted(n for n in names if n.startswith("VLLM::"))
 
 
 def _tree_cores() -> list[int]:

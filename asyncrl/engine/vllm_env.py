@@ -29,6 +29,11 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         if bind == "auto" and engine.cpu_cores:  # vLLM's own "auto" could pick cores outside them
             bind = engine.cpu_cores
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        # "0": vLLM-CPU keeps its single-process executor (the model in the engine core) instead
+        # of forcing a worker process. vLLM refuses it for fear of OpenMP set up too late, true
+        # of its in-process `LLM`; asyncrl starts AsyncLLM, whose engine core is a fresh process.
+        in_core = engine.cpu_model_in_engine_core and engine.tensor_parallel_size == 1
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_core else "1"
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:

@@ -188,7 +188,7 @@ class TrainerRank:
 
     def train_step(self, groups: list, policy_version: int) -> dict[str, float]:
         """One trainer step on these trajectory groups (every rank gets the same list)."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         lc = self.cfg.algorithm.loss
         step = build_samples(groups, lc)
         stats: dict[str, float] = {}
@@ -225,6 +225,9 @@ class TrainerRank:
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/step_s"] = time.monotonic() - t0
+        # CPU seconds this rank's process used in the step; well below step_s on a CPU run, the
+        # rank was not computing: waiting for a core another process held, or blocked.
+        metrics["train/cpu_s"] = time.process_time() - cpu0
         metrics["train/tokens_per_s"] = metrics["train/tokens"] / max(metrics["train/step_s"], 1e-9)
         metrics["train/step"] = self.step
         return metrics
