@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,11 @@ def base_model() -> Path:
 
 
 @contextlib.contextmanager
-def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[bool] | None = None) -> Iterator[list]:
+def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[bool] | None = None,
+                model_in_engine_core: list[bool] | None = None) -> Iterator[list]:
     """`count` started EngineActors on `model_path` in a fresh local Ray cluster (shut down after);
-    `stream_outputs[i]` is engine i's setting (default: all stream, as with pause_mode=keep)."""
+    `stream_outputs[i]` is engine i's setting (default: all stream, as with pause_mode=keep), and
+    `model_in_engine_core[i]` its engine.cpu_model_in_engine_core (default: the config's)."""
     import ray
 
     from asyncrl.config import load_config
@@ -45,12 +48,14 @@ def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[boo
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         streams = stream_outputs or [True] * count
-        handles = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
-            i, str(model_path), "", cfg.engine, "cpu", streams[i]) for i in range(count)]
+        in_core = model_in_engine_core or [cfg.engine.cpu_model_in_engine_core] * count
+        configs = [replace(cfg.engine, cpu_model_in_engine_core=x) for x in in_core]
+        handles = [ray.remote(EngineActor).options(**engine_options(configs[i], i)).remote(
+            i, str(model_path), "", configs[i], "cpu", streams[i]) for i in range(count)]
         infos = ray.get([h.start.remote() for h in handles])
         assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
-        # engine.cpu_model_in_engine_core (the default): no vLLM worker process beside the engine core
-        assert all(info["vllm_processes"] == ["VLLM::EngineCore"] for info in infos), infos
+        for info, x in zip(infos, in_core):  # the model in the engine core, or in a worker process of its own
+            assert info["vllm_processes"] == ["VLLM::EngineCore"] + ([] if x else ["VLLM::Worker"]), info
         yield handles
         ray.get([h.shutdown.remote() for h in handles])
     finally:

@@ -24,8 +24,9 @@ PROMPTS = ["5 - 3 + 2 =\n", "-( 4 + 7 ) - 1 =\n", "9 + 8 - 6 + 1 =\n"]  # the ar
 @pytest.fixture(scope="module")
 def engines(base_model):
     """A streaming engine (per-token versions, as with pause_mode=keep) and one that sends a
-    single output a request (pause_mode=abort)."""
-    with ray_engines(base_model, 2, stream_outputs=[True, False]) as handles:
+    single output a request (pause_mode=abort); the second runs its model in vLLM's engine-core
+    process (engine.cpu_model_in_engine_core), so the tests on both cover both executors."""
+    with ray_engines(base_model, 2, stream_outputs=[True, False], model_in_engine_core=[False, True]) as handles:
         yield handles
 
 
@@ -49,10 +50,10 @@ def generate(engine, ids, request_id, **sampling):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_transformers(engine, tokenizer, hf_model, temperature):
+def test_logprobs_match_transformers(engines, tokenizer, hf_model, temperature):
     """The logprob vLLM reports for each sampled token equals HF's for the same tokens, under
     the distribution it samples from (logits / temperature), as the trainer computes it."""
-    for i, prompt in enumerate(PROMPTS):
+    for i, (prompt, engine) in enumerate((p, e) for p in PROMPTS for e in engines):
         ids = tokenizer.encode(prompt)
         out = generate(engine, ids, f"lp{i}-{temperature}", max_new_tokens=12, temperature=temperature,
                        ignore_eos=True)

@@ -108,10 +108,11 @@ class EngineConfig:
     # "0-3"; "" = any). With rollout.cpu_cores and trainer.cpu_cores this splits the machine into
     # a generation side and a training side, for fully async runs where both work at once.
     cpu_cores: str = ""
-    # CPU, one worker (tensor_parallel_size=1): run the model inside vLLM's engine-core process.
-    # false: vLLM-CPU's default, a separate worker process; the two then busy-poll each other
-    # through shared memory, and on a small machine that polling takes CPU the trainer needs.
-    cpu_model_in_engine_core: bool = True
+    # CPU, one worker (tensor_parallel_size=1): run the model inside vLLM's engine-core process
+    # (vLLM's single-process executor; vLLM-CPU does not support it officially) instead of a
+    # separate worker process that the engine core busy-polls through shared memory: 0.5 GiB
+    # and a process less per engine, but in docs/benchmarks.md within noise of the default.
+    cpu_model_in_engine_core: bool = False
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0
 

@@ -85,7 +85,8 @@ class EngineActor:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> dict[str, float]:
-        """Start vLLM; returns (and logs) the start time and resident memory."""
+        """Start vLLM; returns (and logs) the start time, resident memory, the cores its processes
+        may run on and vLLM's processes."""
         t0 = time.monotonic()
         bind_this_process(self.cfg.cpu_cores)  # before vLLM starts: its processes inherit the binding
         configure_vllm_env(self.cfg, self.device)
