@@ -1,6 +1,7 @@
-"""`asyncrl bench rollout` runs end to end and ends with its JSON line (figures are not asserted)."""
+"""The benchmarks run end to end and end with their JSON line (figures are not asserted)."""
 
 import json
+import os
 
 import pytest
 
@@ -53,3 +54,9 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
     assert result["sync_steps"] >= 1 and result["async_steps"] >= 1
     for mode in ("sync", "async"):
         assert (tmp_path / "runs" / mode / "summary.json").is_file()
+    # the synchronous side unbound, the asynchronous one on the recipe's cores
+    assert result["async_cpu_cores"] == {"engine": "0", "rollout": "0", "trainer": "1"}
+    log = out.stdout + out.stderr
+    starts = [line for line in log.splitlines() if "engine-0: vLLM started" in line]
+    every_core = f"on cores {sorted(os.sched_getaffinity(0))}"
+    assert len(starts) == 2 and every_core in starts[0] and "on cores [0]," in starts[1], starts
