@@ -143,7 +143,7 @@ def test_presets_set_what_they_promise(base_model):
     ("engine.cpu_threads_bind=everywhere", ["engine.cpu_threads_bind='everywhere'", '"nobind"']),
     ("engine.cpu_cores=first", ["engine.cpu_cores='first'", 'not a core list such as "0"']),
     ("trainer.cpu_cores='3-1'", ["trainer.cpu_cores='3-1'", "the range 3-1 runs backwards"]),
-    ("rollout.cpu_cores='0,4096'", ["rollout.cpu_cores='0,4096'", "this machine has cores 0-"]),
+    ("rollout.cpu_cores='0,4096'", ["rollout.cpu_cores='0,4096'", "cores [4096] are not available here"]),
     ("bench.repeats=0", ["bench.repeats=0", ">= 1"]),
 ])
 def test_bad_value_names_key_value_and_what_is_valid(override, expected, base_model):

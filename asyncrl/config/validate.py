@@ -216,9 +216,10 @@ def _check_cores(key: str, c: Config, problems: list[str]) -> None:
     except ValueError as e:
         problems.append(f"{key}={spec!r}: {e}")
         return
-    have = os.cpu_count() or 1
-    if not c.cluster.address and max(cores) >= have:  # an embedded cluster runs on this machine
-        problems.append(f"{key}={spec!r}: this machine has cores 0-{have - 1}")
+    usable = os.sched_getaffinity(0)  # the cores this process (and an embedded cluster) may run on
+    if not c.cluster.address and not cores <= usable:
+        problems.append(f"{key}={spec!r}: cores {sorted(cores - usable)} are not available here "
+                        f"(this machine offers {sorted(usable)})")
 
 
 def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None:
