@@ -32,7 +32,7 @@ def bind_this_process(spec: str) -> set[int] | None:
     if not spec:
         return None
     cores = parse_cores(spec)
-    # sched_setaffinity(0) binds only the calling thread: Ray's and vLLM's threads too.
+    # sched_setaffinity(0, ...) binds only the calling thread: bind each of them (Ray's too) by id.
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
