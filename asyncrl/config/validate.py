@@ -125,8 +125,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, "vLLM-CPU needs a KV cache")
     need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", c.engine.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
          c.engine.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
-    for key in ("engine.cpu_cores", "rollout.cpu_cores", "trainer.cpu_cores"):
-        _check_cores(key, c, problems)
+    for key, spec in (("engine.cpu_cores", c.engine.cpu_cores), ("rollout.cpu_cores", c.rollout.cpu_cores),
+                      ("trainer.cpu_cores", c.trainer.cpu_cores)):
+        _check_cores(key, spec, c.cluster.address, problems)
     need(0 < c.engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
          c.engine.gpu_memory_utilization, "must be in (0, 1]")
     need(c.engine.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", c.engine.num_cpus_per_engine, "must be > 0")
@@ -206,9 +207,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("bench.settle_s", c.bench.settle_s, 0)
 
 
-def _check_cores(key: str, c: Config, problems: list[str]) -> None:
-    section, name = key.split(".")
-    spec = getattr(getattr(c, section), name)
+def _check_cores(key: str, spec: str, cluster_address: str, problems: list[str]) -> None:
     if not spec:
         return
     try:
@@ -217,7 +216,7 @@ def _check_cores(key: str, c: Config, problems: list[str]) -> None:
         problems.append(f"{key}={spec!r}: {e}")
         return
     usable = os.sched_getaffinity(0)  # the cores this process (and an embedded cluster) may run on
-    if not c.cluster.address and not cores <= usable:
+    if not cluster_address and not cores <= usable:
         problems.append(f"{key}={spec!r}: cores {sorted(cores - usable)} are not available here "
                         f"(this machine offers {sorted(usable)})")
 

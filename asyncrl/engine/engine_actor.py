@@ -96,8 +96,9 @@ class EngineActor:
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
-        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(), "cpu_cores": _tree_cores(),
-                "vllm_processes": _vllm_processes()}
+        tree = _tree()
+        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(tree), "cpu_cores": _tree_cores(tree),
+                "vllm_processes": _vllm_processes(tree)}
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info
@@ -280,9 +281,9 @@ def _tree() -> list[psutil.Process]:
     return [proc, *proc.children(recursive=True)]
 
 
-def _tree_rss_gib() -> float:
+def _tree_rss_gib(tree: list[psutil.Process]) -> float:
     total = 0
-    for p in _tree():
+    for p in tree:
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
@@ -290,10 +291,10 @@ def _tree_rss_gib() -> float:
     return total / 2**30
 
 
-def _vllm_processes() -> list[str]:
+def _vllm_processes(tree: list[psutil.Process]) -> list[str]:
     """vLLM's processes under this actor, by title (VLLM::EngineCore, VLLM::Worker...)."""
     names = []
-    for p in _tree()[1:]:
+    for p in tree[1:]:
         try:
             names.append(" ".join(p.cmdline()).strip() or p.name())  # setproctitle pads the title
         except psutil.NoSuchProcess:
@@ -301,10 +302,10 @@ def _vllm_processes() -> list[str]:
     return sorted(n for n in names if n.startswith("VLLM::"))
 
 
-def _tree_cores() -> list[int]:
+def _tree_cores(tree: list[psutil.Process]) -> list[int]:
     """The cores this engine's processes may run on (all their threads)."""
     cores: set[int] = set()
-    for p in _tree():
+    for p in tree:
         try:
             for t in p.threads():
                 cores.update(os.sched_getaffinity(t.id))
