@@ -55,7 +55,7 @@ def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[boo
         infos = ray.get([h.start.remote() for h in handles])
         assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
         for info, x in zip(infos, in_core):  # the model in the engine core, or in a worker process of its own
-            assert info["vllm_processes"] == ["VLLM::EngineCore"] + ([] if x else ["VLLM::Worker"]), info
+            assert info["model_in_engine_core"] == x, info
         yield handles
         ray.get([h.shutdown.remote() for h in handles])
     finally:

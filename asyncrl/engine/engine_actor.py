@@ -84,9 +84,9 @@ class EngineActor:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    async def start(self) -> dict[str, float]:
+    async def start(self) -> dict[str, Any]:
         """Start vLLM; returns (and logs) the start time, resident memory, the cores its processes
-        may run on and vLLM's processes."""
+        may run on, vLLM's processes and whether the model runs in the engine core."""
         t0 = time.monotonic()
         bind_this_process(self.cfg.cpu_cores)  # before vLLM starts: its processes inherit the binding
         configure_vllm_env(self.cfg, self.device)
@@ -97,8 +97,9 @@ class EngineActor:
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
         tree = _tree()
+        parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(tree), "cpu_cores": _tree_cores(tree),
-                "vllm_processes": _vllm_processes(tree)}
+                "vllm_processes": _vllm_processes(tree), "model_in_engine_core": parents == [os.getpid()]}
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info
@@ -296,7 +297,7 @@ def _vllm_processes(tree: list[psutil.Process]) -> list[str]:
     names = []
     for p in tree[1:]:
         try:
-            names.append(" ".join(p.cmdline()).strip() or p.name())  # setproctitle pads the title
+            names.append(p.name())  # the title vLLM set (also as comm, so no need to parse cmdline)
         except psutil.NoSuchProcess:
             pass
     return sorted(n for n in names if n.startswith("VLLM::"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -58,6 +59,11 @@ class WeightLoaderExtension:
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
         broadcast_raw(self._asyncrl_group, BucketPlan.from_wire(plan_wire), self.device)
+
+    def asyncrl_parent_pid(self) -> int:
+        """The parent of the process the model runs in: the engine actor when the model is in vLLM's
+        engine core, the engine core when it has a worker process of its own."""
+        return os.getppid()
 
     def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
