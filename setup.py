@@ -20,6 +20,7 @@ REQUIRES = [
     "fastapi",
     "uvicorn",
     "httpx",
+    "msgspec",  # the engines' request channel (vLLM depends on it too)
     "matplotlib",
     "tqdm",
 ]

@@ -39,6 +39,7 @@ import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
+from asyncrl.engine.channel import ChannelAddress, ChannelServer
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
@@ -81,6 +82,8 @@ class EngineActor:
         self._accepting = asyncio.Event()  # cleared while paused: new requests wait for resume()
         self._accepting.set()
         self._expected_weights = _checkpoint_tensor_specs(model_path)
+        self._channel: ChannelServer | None = None
+        self._channel_address: ChannelAddress | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -104,7 +107,19 @@ class EngineActor:
                     info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info
 
+    async def open_channel(self) -> ChannelAddress:
+        """Where rollout workers send `generate` requests without a Ray call each
+        (asyncrl.engine.channel); started on the first call."""
+        if self._channel_address is None:
+            import ray
+
+            self._channel = ChannelServer(self.generate, f"engine-{self.engine_id}")
+            self._channel_address = await self._channel.start(ray.util.get_node_ip_address())
+        return self._channel_address
+
     async def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncrl.engine.channel import EngineChannel
 from asyncrl.engine.inference import InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
 
@@ -20,6 +21,9 @@ class EngineRouter:
         if not engines:
             raise ValueError("a rollout worker needs at least one engine")
         self.engines = engines
+        # Generation goes over each engine's request channel, not a Ray call a request.
+        self.channels = [EngineChannel(lambda e=engine: e.open_channel.remote(), f"engine-{i}")
+                         for i, engine in enumerate(engines)]
         self.outstanding = [0] * len(engines)
         self.assigned = [0] * len(engines)
 
@@ -34,7 +38,7 @@ class EngineRouter:
 
 
 class StickyEngineClient(InferenceInterface):
-    """The inference interface over one engine's Ray handle, counting outstanding requests."""
+    """The inference interface over one engine's request channel, counting outstanding requests."""
 
     def __init__(self, router: EngineRouter, index: int):
         self.router = router
@@ -43,6 +47,6 @@ class StickyEngineClient(InferenceInterface):
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         self.router.outstanding[self.index] += 1
         try:
-            return await self.router.engines[self.index].generate.remote(prompt_token_ids, sampling, request_id)
+            return await self.router.channels[self.index].generate(prompt_token_ids, sampling, request_id)
         finally:
             self.router.outstanding[self.index] -= 1
