@@ -2,9 +2,9 @@
 results, over one TCP connection beside Ray.
 
 Ray stays the control plane (start, pause, resume, weights); generation, one request per
-sample and turn, is the data plane. A Ray actor call costs about 1.6 ms of CPU across the two
-processes (docs/benchmarks.md), as much as vLLM's own front end spends on a 64-token request
-on this machine; a frame on a socket costs a few microseconds to encode.
+sample and turn, is the data plane. A request as a Ray actor call costs about 1.5 ms of CPU
+across the two processes, over the channel 0.12 ms (`python scripts/request_cost.py`,
+docs/benchmarks.md); 1.5 ms is as much as vLLM's own front end spends on a 64-token request.
 
 Wire: frames of a 4-byte big-endian length and a msgpack body.
   worker -> engine: the engine's token (first frame), then one `_Request` frame a request;
