@@ -16,6 +16,9 @@ Request lifecycle (`generate`):
      request returns every token produced so far, so its agent loop can resume it.
   4) The request leaves the outstanding set.
 
+Rollout workers reach `generate` over the engine's request channel (`open_channel()`,
+asyncrl/engine/channel.py), which costs a tenth of a Ray call a request; it is a Ray method too.
+
 Weight updates: `pause(mode)` -> `receive_weights(version)` (the trainer's broadcast,
 see asyncrl.sync) or `load_weights(state_dict, version)` -> `resume()`. Names and
 shapes are checked against the checkpoint before vLLM sees them, because a failed
