@@ -7,7 +7,7 @@ fully asynchronously for the same wall time, in one invocation.
     weight sync: the trainer and the engines take turns). Its processes are not bound to
     cores (engine/rollout/trainer.cpu_cores cleared): each phase runs alone, so each may
     use every core — a colocated placement, as synchronous peers share their GPUs.
-(b) async: the recipe's settings as configured (default: eta = 1, partial rollout with
+(b) async: the recipe's settings as configured (eta as the recipe sets it, partial rollout with
     abort and resume, and the recipe's cpu_cores: generation and training, which now run
     at once, on cores of their own — as asynchronous peers give each its own GPUs).
 Each trains for `bench.train_s` seconds (set-up and the final evaluation not counted),
