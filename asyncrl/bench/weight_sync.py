@@ -6,10 +6,12 @@
 One trainer (its ranks as configured) and `engine.num_engines` engines join one broadcast
 group (gloo on CPU, NCCL on GPUs). Then, `bench.rounds` times, alternating:
   (a) sync: (the trainer exports and packs its weights into buckets while the engines
-      still run: `stage_s`, reported apart) -> pause every engine -> broadcast -> each vLLM
+      still run: `stage_s`, reported apart) -> every engine pauses -> broadcast -> each vLLM
       worker receives and loads -> version + 1 -> resume (asyncrl.sync.WeightSync.sync);
-      sync_s is the pause -> resume window, the time generation stands still;
-  (b) raw: the same bucket sizes broadcast between the same processes, no model on either side.
+      sync_s is that exchange as the driver sees it, from sending the calls to the last
+      engine's reply; `paused_s`, inside it, is the time an engine did not generate;
+  (b) raw: the same bucket sizes broadcast between the same processes, no model on either
+      side, timed the same way (the same calls, from the driver).
 ratio = median over rounds of raw_s / sync_s (1.0 = the sync costs nothing beyond moving bytes).
 Also: the trainer's tokens/s over `bench.trainer_steps` train steps on groups of the
 recipe's prompts with `bench.max_new_tokens` sampled tokens each. Last line: one JSON object.
@@ -70,7 +72,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
             timings = sync.sync(version, cfg.algorithm.pause_mode)
             raw = sync.raw_broadcast()
             if r >= cfg.bench.warmup_rounds:
-                sync_s.append(timings["sync/paused_s"])
+                sync_s.append(timings["sync/total_s"])
                 raw_s.append(raw)
                 phases.append(timings)
 
@@ -96,6 +98,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         "sync_s": med(sync_s),
         "raw_broadcast_s": med(raw_s),
         "ratio": med(r / s for r, s in zip(raw_s, sync_s)),
+        "paused_s": med(p["sync/paused_s"] for p in phases),
         "stage_s": med(p["sync/stage_s"] for p in phases),
         "pause_s": med(p["sync/pause_s"] for p in phases),
         "broadcast_load_s": med(p["sync/broadcast_load_s"] for p in phases),

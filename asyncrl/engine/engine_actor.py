@@ -19,8 +19,8 @@ Request lifecycle (`generate`):
 Rollout workers reach `generate` over the engine's request channel (`open_channel()`,
 asyncrl/engine/channel.py), which costs a tenth of a Ray call a request; it is a Ray method too.
 
-Weight updates: `pause(mode)` -> `receive_weights(version)` (the trainer's broadcast,
-see asyncrl.sync) or `load_weights(state_dict, version)` -> `resume()`. Names and
+Weight updates: `update_weights(version)` (pause -> the trainer's broadcast, see asyncrl.sync
+-> resume, in one call) or `pause(mode)` -> `load_weights(state_dict, version)` -> `resume()`. Names and
 shapes are checked against the checkpoint before vLLM sees them, because a failed
 reload leaves the engine dead.
 """
@@ -231,19 +231,29 @@ class EngineActor:
         await self._llm.collective_rpc("asyncrl_init_weight_group",
                                        args=(host, port, rank_offset, world_size, backend, timeout_s))
 
-    async def receive_weights(self, version: int) -> dict[str, Any]:
-        """Receive the trainer's broadcast into every worker (the engine must be paused) and
-        become `version`. Returns seconds taken and the per-tensor checksums received."""
+    async def update_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+        """pause -> receive the trainer's broadcast into every worker and load it -> become
+        `version` -> resume, in one call, so that the pause lasts no longer than the
+        transfer and the load. Returns each phase's seconds (`paused_s`: the time this
+        engine did not generate) and the per-tensor checksums received, computed after
+        the resume. A failed transfer leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
-            raise RuntimeError(f"engine-{self.engine_id}: receive_weights before init_weight_group")
+            raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
         t0 = time.monotonic()
+        await self.pause(pause_mode)
+        t1 = time.monotonic()
         results = await self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
-        worker = results[0]
-        if any(r["checksums"] != worker["checksums"] for r in results[1:]):
-            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
         self.version = version
-        return {"seconds": time.monotonic() - t0, "receive_s": worker["receive_s"], "load_s": worker["load_s"],
-                "checksums": worker["checksums"]}
+        t2 = time.monotonic()
+        await self.resume()
+        t3 = time.monotonic()
+        checksums = await self._llm.collective_rpc("asyncrl_received_checksums")
+        if any(c != checksums[0] for c in checksums[1:]):
+            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
+        worker = results[0]
+        return {"pause_s": t1 - t0, "broadcast_load_s": t2 - t1, "receive_s": worker["receive_s"],
+                "load_s": worker["load_s"], "load_path": worker["load_path"], "resume_s": t3 - t2,
+                "paused_s": t3 - t0, "checksums": checksums[0]}
 
     async def receive_raw(self) -> float:
         """Take part in a raw broadcast of the same bytes (the weight-sync benchmark's baseline)."""

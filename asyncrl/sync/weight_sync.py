@@ -3,9 +3,9 @@
 `WeightSync.connect()` forms the broadcast group once (trainer rank 0 + every vLLM
 worker of every engine; see collective.py) after each engine has checked the
 trainer's bucket plan against its model. `WeightSync.sync(version)` then has the trainer
-export and pack its weights while the engines still generate, runs the four phases,
-times each, and checks that every engine received exactly the bytes the
-trainer sent (per-tensor checksums).
+export and pack its weights while the engines still generate, has every engine pause,
+receive the broadcast, load it and resume (one call each), times each phase, and checks
+that every engine received exactly the bytes the trainer sent (per-tensor checksums).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class WeightSync:
         self.backend = backend  # "gloo" on CPU, "nccl" on GPUs
         self.timeout_s = timeout_s
         self.connected = False
+        self.last_load_paths: list[str] = []
 
     def connect(self) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -47,31 +48,33 @@ class WeightSync:
         return info
 
     def sync(self, version: int, pause_mode: str = "abort") -> dict[str, float]:
-        """Pause every engine, broadcast, load, stamp `version`, resume. Returns each phase's seconds."""
+        """Stage, then on every engine at once: pause, broadcast, load, stamp `version`, resume.
+        Returns each phase's seconds: engine-side phases are the slowest engine's;
+        `sync/paused_s` is the longest time an engine did not generate, `sync/total_s` the
+        whole exchange as the caller sees it (Ray calls included)."""
         if not self.connected:
             self.connect()
         ts = time.monotonic()
         sent = self.trainer.call("stage_weights")  # export + pack while the engines still generate
         t0 = time.monotonic()
-        ray.get([e.pause.remote(pause_mode) for e in self.engines])
-        t1 = time.monotonic()
+        # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.submit("broadcast_weights")
-        received = ray.get([e.receive_weights.remote(version) for e in self.engines])
+        received = ray.get([e.update_weights.remote(version, pause_mode) for e in self.engines])
         ray.get(sent_refs)
-        t2 = time.monotonic()
-        ray.get([e.resume.remote() for e in self.engines])
-        t3 = time.monotonic()
+        t1 = time.monotonic()
         for i, r in enumerate(received):
             if r["checksums"] != sent["checksums"]:
                 bad = [n for n in sent["checksums"] if r["checksums"].get(n) != sent["checksums"][n]]
                 raise RuntimeError(f"weight sync to version {version}: engine-{i} received different bytes "
                                    f"for {bad[:5]}")
-        timings = {"sync/stage_s": t0 - ts, "sync/pause_s": t1 - t0, "sync/broadcast_load_s": t2 - t1,
-                   "sync/load_s": max(r["load_s"] for r in received), "sync/resume_s": t3 - t2,
-                   "sync/paused_s": t3 - t0, "sync/version": version}
-        logger.debug("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs, resume %.3fs",
-                    version, timings["sync/stage_s"], timings["sync/pause_s"], timings["sync/broadcast_load_s"],
-                    timings["sync/resume_s"])
+        self.last_load_paths = [r["load_path"] for r in received]  # "direct" or "reload" (worker_extension.py)
+        timings = {"sync/stage_s": t0 - ts, "sync/total_s": t1 - t0, "sync/version": version}
+        for phase in ("pause_s", "broadcast_load_s", "load_s", "resume_s", "paused_s"):
+            timings[f"sync/{phase}"] = max(r[phase] for r in received)
+        logger.debug("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs (load %.3fs, %s), "
+                     "resume %.3fs | total %.3fs", version, timings["sync/stage_s"], timings["sync/pause_s"],
+                     timings["sync/broadcast_load_s"], timings["sync/load_s"], received[0]["load_path"],
+                     timings["sync/resume_s"], timings["sync/total_s"])
         return timings
 
     def raw_broadcast(self) -> float:
