@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import safetensors.torch
 import torch
 
-from asyncrl.sync.collective import BucketPlan, broadcast_raw, create_group, receive_buckets
+from asyncrl.sync.collective import BucketPlan, broadcast_raw, byte_checksum, create_group, receive_buckets
 
 
 class WeightLoaderExtension:
@@ -55,11 +55,11 @@ class WeightLoaderExtension:
         total = time.monotonic() - t0
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path}
 
-    def asyncrl_received_checksums(self) -> dict[str, float]:
-        """Checksums (float64 sums) of the tensors the last broadcast delivered, so that a
+    def asyncrl_received_checksums(self) -> dict[str, int]:
+        """Checksums (`byte_checksum`) of the tensors the last broadcast delivered, so that a
         caller can check each engine got exactly what the trainer sent; frees the buffers."""
         received, self._asyncrl_received = self._asyncrl_received, []
-        return {name: float(tensor.double().sum()) for name, tensor in received}
+        return {name: byte_checksum(tensor) for name, tensor in received}
 
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""

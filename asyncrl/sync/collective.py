@@ -94,6 +94,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"dtype {dtype} cannot be broadcast (valid: {sorted(DTYPES)})")
 
 
+_INT_OF_SIZE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def byte_checksum(tensor: torch.Tensor) -> int:
+    """The tensor's bytes read as integers of its element size, summed: exact, so two sides
+    holding the same bytes always agree, and cheap (no float64 copy of the model)."""
+    return int(tensor.detach().contiguous().view(_INT_OF_SIZE[tensor.element_size()]).sum())
+
+
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):
     """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
     from datetime import timedelta

@@ -43,6 +43,7 @@ from asyncrl.cpu_cores import bind_this_process
 from asyncrl.sync.collective import (
     BucketPlan,
     broadcast_raw,
+    byte_checksum,
     create_group,
     dtype_name,
     pack_buckets,
@@ -377,11 +378,11 @@ class TrainerRank:
         while the engines still generate (the export gathers tensor-parallel shards, so every
         rank takes part; rank 0 keeps the buckets). Returns seconds and per-tensor checksums."""
         t0 = time.monotonic()
-        checksums: dict[str, float] = {}
+        checksums: dict[str, int] = {}
 
         def tensors():
             for name, t in self._export():
-                checksums[name] = float(t.detach().double().sum())
+                checksums[name] = byte_checksum(t)
                 yield name, t
 
         if self.rank == 0:
