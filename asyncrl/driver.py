@@ -365,11 +365,18 @@ class Driver:
         return counts
 
     def cleanup(self) -> None:
-        """Stop every actor we started (engines first: their vLLM processes), then Ray if embedded."""
+        """Stop every actor we started (rollout workers, then engines: their vLLM processes), then
+        Ray if embedded."""
         if self.log is not None:
             self.log.close()
         if not ray.is_initialized():
             return
+        # The run is over: loops still generating would only fail, one traceback each, as their engine goes.
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already gone
+                pass
         for e in self.engines:
             try:
                 ray.get(e.shutdown.remote(), timeout=60)
@@ -377,7 +384,7 @@ class Driver:
                 logger.warning("engine shutdown: %s", err)
         if self.trainer is not None:
             self.trainer.shutdown()
-        for actor in [*self.engines, *self.workers, *([self.queue] if self.queue else [])]:
+        for actor in [*self.engines, *([self.queue] if self.queue else [])]:
             try:
                 ray.kill(actor)
             except Exception:  # already gone
