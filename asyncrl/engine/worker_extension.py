@@ -82,8 +82,8 @@ class WeightLoaderExtension:
         # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
         # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        # `model.load_weights` alone fails on CPU (linear weights are repacked); reload_weights
-        # goes through vLLM's own loader and re-runs the post-load processing.
+        # GPUs, and CPU models with layers the direct load does not cover: vLLM's own in-place
+        # reload, which re-runs the post-load processing.
         self.reload_weights(weights_iterator=iter(tensors))
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does
