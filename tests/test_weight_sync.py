@@ -29,15 +29,17 @@ def greedy_hf(model, ids):
     return out[0, len(ids):].tolist()
 
 
-def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path):
-    cfg = load_config(["trainer.lr=1e-3"])
+# vLLM-CPU's oneDNN-packed weights (repacked after each load) and plain weights (a copy in place).
+@pytest.mark.parametrize("prepack,load_path", [(True, "copy+repack"), (False, "copy")])
+def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_path):
+    cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}"])
     tok = AutoTokenizer.from_pretrained(base_model)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     trainer = None
     try:
         engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
             0, str(base_model), "", cfg.engine, "cpu")
-        ray.get(engine.start.remote())
+        assert ray.get(engine.start.remote())["plain_weights"] == (not prepack)
         trainer = TrainerGroup(cfg)
         info = trainer.setup()
         assert info["weight_bytes"] > 4_000_000 and info["tp"] == 1
@@ -45,6 +47,8 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         sync.connect()
         ids = [tok.encode(p) for p in PROMPTS]
         before = [greedy_engine(engine, x, f"b{i}").token_ids for i, x in enumerate(ids)]
+        base = AutoModelForCausalLM.from_pretrained(base_model).eval()
+        assert before == [greedy_hf(base, x)[:len(b)] for x, b in zip(ids, before)]  # either layout, from the start
 
         for step in range(3):
             metrics = trainer.call("train_step", make_groups(tok, seed=step), 0)
@@ -52,7 +56,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         # sync() itself raises if any engine's received checksums differ from what was sent.
         timings = sync.sync(version=1, pause_mode="abort")
         assert timings["sync/version"] == 1 and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
-        assert sync.last_load_paths == ["direct"]  # vLLM-CPU: the direct load, not reload_weights
+        assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
 
         exported = trainer.call("export_hf", str(tmp_path / "hf"))
         hf = AutoModelForCausalLM.from_pretrained(exported).eval()

