@@ -19,7 +19,7 @@ def test_buckets_round_trip_and_checksums_match_on_both_sides():
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(40, 8)}
     plan = BucketPlan.build([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()],
                             bucket_bytes=100)
-    # a (60 B) and b (14 B) share a bucket; c (1280 B) is bigger than one and gets its own.
+    # a (60 B) and b (14 B, from byte 64) share a bucket; c (1280 B) is bigger than one and gets its own.
     assert [[s.name for s in b] for b in plan.buckets] == [["a", "b"], ["c"]]
     received = unpack(plan, pack_buckets(plan, iter(tensors.items()), torch.device("cpu")))
     for name, t in tensors.items():
@@ -27,10 +27,27 @@ def test_buckets_round_trip_and_checksums_match_on_both_sides():
         assert byte_checksum(received[name]) == byte_checksum(t)
 
 
-def test_byte_checksum_sees_a_one_bit_change_and_is_exact():
+def signed64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
+def test_byte_checksum_is_the_wrapped_sum_of_the_64_bit_words():
+    t = torch.randn(1000)
+    words = t.view(torch.int64).tolist()
+    assert byte_checksum(t) == signed64(sum(words))
+    # A tail that is no whole word: its bytes are added one by one.
+    b = torch.randn(7).to(torch.bfloat16)  # 14 bytes: one word and 6 bytes
+    raw = b.view(torch.uint8)
+    assert byte_checksum(b) == raw[:8].view(torch.int64).item() + sum(raw[8:].tolist())
+
+
+def test_byte_checksum_sees_a_one_bit_change():
     t = torch.randn(1000)
     flipped = t.clone()
-    flipped.view(torch.int32)[123] ^= 1  # the lowest mantissa bit of one element
-    assert byte_checksum(flipped) == byte_checksum(t) + (1 if t.view(torch.int32)[123] % 2 == 0 else -1)
-    # Exact integer arithmetic: the order of summation cannot change it.
-    assert byte_checksum(t.flip(0)) == byte_checksum(t)
+    flipped.view(torch.int32)[122] ^= 1  # the lowest mantissa bit of one element: the low half of word 61
+    assert signed64(byte_checksum(flipped) - byte_checksum(t)) == (1 if t.view(torch.int32)[122] % 2 == 0 else -1)
+
+
+def test_slots_start_on_8_byte_boundaries():
+    plan = BucketPlan.build([("a", "bfloat16", [3]), ("b", "float32", [2]), ("c", "float16", [5])], bucket_bytes=64)
+    assert [s.offset for s in plan.buckets[0]] == [0, 8, 16]

@@ -104,7 +104,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         "broadcast_load_s": med(p["sync/broadcast_load_s"] for p in phases),
         "load_s": med(p["sync/load_s"] for p in phases),
         "resume_s": med(p["sync/resume_s"] for p in phases),
-        "load_path": ",".join(sorted(set(sync.last_load_paths))),  # worker_extension.WeightLoaderExtension._asyncrl_load
+        "load_path": ",".join(sorted(set(sync.last_load_paths))),  # see WeightLoaderExtension._asyncrl_load
         "buckets": info["weight_buckets"],
         "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
         "engines": cfg.engine.num_engines,

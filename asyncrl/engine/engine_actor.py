@@ -242,8 +242,9 @@ class EngineActor:
         """pause -> receive the trainer's broadcast into every worker and load it -> become
         `version` -> resume, in one call, so that the pause lasts no longer than the
         transfer and the load. Returns each phase's seconds (`paused_s`: the time this
-        engine did not generate) and the per-tensor checksums received, computed after
-        the resume. A failed transfer leaves the engine paused: its weights are partial."""
+        engine did not generate; `load_s`: loading and checksumming, beyond waiting for
+        bytes), the load path and the per-tensor checksums received. A failed transfer
+        leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
             raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
         t0 = time.monotonic()
@@ -254,13 +255,12 @@ class EngineActor:
         t2 = time.monotonic()
         await self.resume()
         t3 = time.monotonic()
-        checksums = await self._llm.collective_rpc("asyncrl_received_checksums")
-        if any(c != checksums[0] for c in checksums[1:]):
+        checksums = results[0]["checksums"]
+        if any(r["checksums"] != checksums for r in results[1:]):
             raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
-        worker = results[0]
-        return {"pause_s": t1 - t0, "broadcast_load_s": t2 - t1, "receive_s": worker["receive_s"],
-                "load_s": worker["load_s"], "load_path": worker["load_path"], "resume_s": t3 - t2,
-                "paused_s": t3 - t0, "checksums": checksums[0]}
+        return {"pause_s": t1 - t0, "broadcast_load_s": t2 - t1, "receive_s": results[0]["receive_s"],
+                "load_s": results[0]["load_s"], "load_path": results[0]["load_path"], "resume_s": t3 - t2,
+                "paused_s": t3 - t0, "checksums": checksums}
 
     async def receive_raw(self) -> float:
         """Take part in a raw broadcast of the same bytes (the weight-sync benchmark's baseline)."""

@@ -30,15 +30,14 @@ class WeightLoaderExtension:
         return rank
 
     def asyncrl_receive_weights(self, plan_wire: list) -> dict:
-        """Receive one broadcast of the whole model and load it as it arrives.
-
-        Returns the seconds taken and the load path. The received buckets are kept for
-        `asyncrl_received_checksums`, which the engine calls after it resumed generating.
-        """
+        """Receive one broadcast of the whole model and load it as it arrives. Returns the
+        seconds taken, the load path and the `byte_checksum` of each tensor received, so that
+        the caller can check every engine got exactly what the trainer sent (computed while
+        the next bucket is still on its way)."""
         t0 = time.monotonic()
         plan = BucketPlan.from_wire(plan_wire)
         model_dtype = self.model_runner.model_config.dtype
-        self._asyncrl_received = []
+        checksums: dict[str, int] = {}
         waited = [0.0]
 
         def tensors():
@@ -49,18 +48,14 @@ class WeightLoaderExtension:
                 waited[0] += time.monotonic() - t
                 if item is None:
                     return
-                self._asyncrl_received.append(item)
-                yield item[0], item[1].to(model_dtype)
+                name, tensor = item
+                checksums[name] = byte_checksum(tensor)
+                yield name, tensor.to(model_dtype)
 
         path = self._asyncrl_load(tensors())
         total = time.monotonic() - t0
-        return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path}
-
-    def asyncrl_received_checksums(self) -> dict[str, int]:
-        """Checksums (`byte_checksum`) of the tensors the last broadcast delivered, so that a
-        caller can check each engine got exactly what the trainer sent; frees the buffers."""
-        received, self._asyncrl_received = self._asyncrl_received, []
-        return {name: byte_checksum(tensor) for name, tensor in received}
+        return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
+                "checksums": checksums}
 
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
