@@ -18,6 +18,8 @@ from asyncrl.sync.collective import BucketPlan, broadcast_raw, byte_checksum, cr
 class WeightLoaderExtension:
     """Loads Hugging Face-named tensors into the running model, in place, without disk."""
 
+    _asyncrl_prepack = True  # vLLM-CPU: pack linear weights for oneDNN after each load (see load_direct)
+
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
         """Load a whole state dict sent as safetensors bytes (tests, small models)."""
         self._asyncrl_load(safetensors.torch.load(safetensors_blob).items())
@@ -71,7 +73,7 @@ class WeightLoaderExtension:
         checkpoint) and multiply with torch's linear from now on, so that each later load is
         a copy in place instead of a oneDNN repack. False where there is nothing packed
         (GPUs) or the direct load does not apply (quantized layers: vLLM's reload path)."""
-        if self.device.type != "cpu" or not self._asyncrl_targets():
+        if not self._asyncrl_targets():  # [] where nothing is packed, None with quantized layers
             return False
         self._asyncrl_prepack = False
         files = sorted(Path(model_path).glob("*.safetensors"))
@@ -89,9 +91,8 @@ class WeightLoaderExtension:
         model = self.model_runner.model
         targets = self._asyncrl_targets()
         if targets is not None:
-            prepack = getattr(self, "_asyncrl_prepack", True)
-            load_direct(model, targets, tensors, prepack)
-            return "copy+repack" if prepack and self.device.type == "cpu" else "copy"
+            load_direct(model, targets, tensors, self._asyncrl_prepack)
+            return "copy+repack" if self._asyncrl_prepack and self.device.type == "cpu" else "copy"
         # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
         # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
