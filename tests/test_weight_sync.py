@@ -29,9 +29,22 @@ def greedy_hf(model, ids):
     return out[0, len(ids):].tolist()
 
 
+def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, path):
+    """Greedy tokens from the engine (stamped `version`) equal HF's on the trainer's exported weights."""
+    hf = AutoModelForCausalLM.from_pretrained(trainer.call("export_hf", str(path))).eval()
+    after = [greedy_engine(engine, x, f"v{version}-{i}") for i, x in enumerate(ids)]
+    assert all(r.versions == [version] * len(r.token_ids) for r in after)
+    assert [r.token_ids for r in after] == [greedy_hf(hf, x)[:len(r.token_ids)] for x, r in zip(ids, after)]
+    return [r.token_ids for r in after]
+
+
 # vLLM-CPU's oneDNN-packed weights (repacked after each load) and plain weights (a copy in place).
-@pytest.mark.parametrize("prepack,load_path", [(True, "copy+repack"), (False, "copy")])
-def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_path):
+# The first load into an engine runs the model's load_weights and records its copies; later
+# loads replay them (asyncrl/engine/load_plan.py). With plain weights the engine's own start
+# already loaded once (asyncrl_use_plain_weights), so its first sync replays too.
+@pytest.mark.parametrize("prepack,load_paths", [(True, ["copy+repack", "replay+repack"]),
+                                                (False, ["replay", "replay"])])
+def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}"])
     tok = AutoTokenizer.from_pretrained(base_model)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -50,22 +63,19 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         base = AutoModelForCausalLM.from_pretrained(base_model).eval()
         assert before == [greedy_hf(base, x)[:len(b)] for x, b in zip(ids, before)]  # either layout, from the start
 
-        for step in range(3):
-            metrics = trainer.call("train_step", make_groups(tok, seed=step), 0)
-            assert metrics["train/tokens"] > 0 and metrics["train/grad_norm"] > 0
-        # sync() itself raises if any engine's received checksums differ from what was sent.
-        timings = sync.sync(version=1, pause_mode="abort")
-        assert timings["sync/version"] == 1 and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
-        assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
-
-        exported = trainer.call("export_hf", str(tmp_path / "hf"))
-        hf = AutoModelForCausalLM.from_pretrained(exported).eval()
-        after = [greedy_engine(engine, x, f"a{i}") for i, x in enumerate(ids)]
-        assert all(r.versions == [1] * len(r.token_ids) for r in after)
-        # The engine generates exactly what HF generates from the trainer's exported weights ...
-        assert [r.token_ids for r in after] == [greedy_hf(hf, x)[:len(r.token_ids)] for x, r in zip(ids, after)]
-        # ... and training did change them.
-        assert [r.token_ids for r in after] != before
+        generated = [before]
+        for version, load_path in enumerate(load_paths, start=1):
+            for step in range(3):
+                metrics = trainer.call("train_step", make_groups(tok, seed=10 * version + step), version - 1)
+                assert metrics["train/tokens"] > 0 and metrics["train/grad_norm"] > 0
+            # sync() itself raises if any engine's received checksums differ from what was sent.
+            timings = sync.sync(version=version, pause_mode="abort")
+            assert timings["sync/version"] == version and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
+            assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
+            # The engine generates exactly what HF generates from the trainer's exported weights ...
+            generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
+                                                                  tmp_path / f"hf-{version}"))
+            assert generated[-1] != generated[-2]  # ... and training did change them since the last sync.
     finally:
         if trainer is not None:
             trainer.shutdown()

@@ -12,13 +12,18 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from asyncrl.engine.load_plan import LoadPlan
 from asyncrl.sync.collective import BucketPlan, broadcast_raw, byte_checksum, create_group, receive_buckets
+
+logger = logging.getLogger(__name__)
 
 
 class WeightLoaderExtension:
     """Loads Hugging Face-named tensors into the running model, in place, without disk."""
 
-    _asyncrl_prepack = True  # vLLM-CPU: pack linear weights for oneDNN after each load (see load_direct)
+    _asyncrl_prepack = True  # vLLM-CPU: pack linear weights for oneDNN after each load (see after_direct_load)
+    _asyncrl_plan: LoadPlan | None = None  # the copies of the last captured load (load_plan.py)
+    _asyncrl_capture = True  # false once a capture failed: the model's loads cannot be replayed
 
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
         """Load a whole state dict sent as safetensors bytes (tests, small models)."""
@@ -54,7 +59,7 @@ class WeightLoaderExtension:
                 checksums[name] = byte_checksum(tensor)
                 yield name, tensor.to(model_dtype)
 
-        path = self._asyncrl_load(tensors())
+        path = self._asyncrl_load(tensors(), {name: tuple(shape) for name, (shape, _) in plan.specs().items()})
         total = time.monotonic() - t0
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
                 "checksums": checksums}
@@ -85,19 +90,43 @@ class WeightLoaderExtension:
             self._asyncrl_direct_targets = direct_load_targets(self.model_runner.model)
         return self._asyncrl_direct_targets
 
-    def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]],
+                      specs: dict[str, tuple[int, ...]] | None = None) -> str:
         """Load checkpoint-named tensors into the running model; returns the path taken:
-        "copy" (in place), "copy+repack" (then vLLM-CPU's oneDNN packing) or "reload"."""
+        "replay" (the copies of an earlier load, load_plan.py), "copy" (the model's
+        load_weights, in place), either "+repack" (then vLLM-CPU's oneDNN packing), or
+        "reload". `specs` (name -> shape of every tensor coming) allows a replay."""
         model = self.model_runner.model
         targets = self._asyncrl_targets()
-        if targets is not None:
-            load_direct(model, targets, tensors, self._asyncrl_prepack)
-            return "copy+repack" if self._asyncrl_prepack and self.device.type == "cpu" else "copy"
+        if targets is None:
+            return self._asyncrl_reload(tensors)
+        for layer, weight in targets:  # give each packed linear layer a full weight again
+            layer.weight = weight
+        plan = self._asyncrl_plan
+        if plan is not None and not plan.in_place(model):
+            logger.warning("weight loads stay on model.load_weights: the model's parameters moved after a load")
+            self._asyncrl_plan = plan = None
+            self._asyncrl_capture = False
+        if plan is not None and specs == plan.specs:
+            plan.replay(tensors)
+            path = "replay"
+        else:
+            if self._asyncrl_capture:  # load and record the copies, for the next load to replay
+                self._asyncrl_plan = LoadPlan.capture(model, tensors)
+                self._asyncrl_capture = self._asyncrl_plan is not None
+            else:
+                model.load_weights(tensors)
+            path = "copy"
+        after_direct_load(model, self._asyncrl_prepack)
+        return path + "+repack" if self._asyncrl_prepack and self.device.type == "cpu" else path
+
+    def _asyncrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Models with layers the direct load does not cover (quantized ones): vLLM's own
+        in-place reload, which re-runs the post-load processing."""
+        model = self.model_runner.model
         # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
         # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        # Models with layers the direct load does not cover (quantized ones): vLLM's own
-        # in-place reload, which re-runs the post-load processing.
         self.reload_weights(weights_iterator=iter(tensors))
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does
@@ -139,21 +168,17 @@ def direct_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, t
     return targets
 
 
-def load_direct(model: torch.nn.Module, targets: list[tuple[torch.nn.Module, torch.nn.Parameter]],
-                tensors: Iterable[tuple[str, torch.Tensor]], prepack: bool = True) -> None:
-    """Load without vLLM's layer-by-layer reload machinery (2-3x faster on the tiny model):
-    give each packed linear layer back a full weight, let the model's own `load_weights` fill
-    every parameter in place (names, fused q/k/v and gate/up, tied embeddings), then, as vLLM
-    does after its first load, run each layer's post-load processing: on vLLM-CPU it packs
-    the linear weights for oneDNN again (and drops them); on GPUs, unquantized, it does
-    nothing. `prepack=False` (CPU): keep the plain weights and multiply with torch's linear
-    instead, so that the next load is again just a copy. Each target keeps its memory between
-    loads (with packing: one plain copy of the linear weights next to oneDNN's packed one)."""
+def after_direct_load(model: torch.nn.Module, prepack: bool = True) -> None:
+    """After a direct load (the linear layers' full weights filled in place by
+    `load_weights` or a replay of it; 2-3x faster than vLLM's layer-by-layer reload on the
+    tiny model), run each layer's post-load processing, as vLLM does after its first load:
+    on vLLM-CPU it packs the linear weights for oneDNN again (and drops them); on GPUs,
+    unquantized, it does nothing. `prepack=False` (CPU): keep the plain weights and multiply
+    with torch's linear instead, so that the next load is again just a copy. Each target of
+    `direct_load_targets` keeps its memory between loads (with packing: one plain copy of the
+    linear weights next to oneDNN's packed one)."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    for layer, weight in targets:
-        layer.weight = weight
-    model.load_weights(tensors)
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
         if not isinstance(method, QuantizeMethodBase):

@@ -1,0 +1,120 @@
+"""The direct load's fast path: replay the copies the model's own `load_weights` made.
+
+vLLM's `model.load_weights` maps checkpoint names onto parameters (fused q/k/v and
+gate/up, tensor-parallel slices, tied embeddings) in Python, tensor by tensor: ~5 ms for
+the tiny model's 50 tensors, more than the copies themselves. All it leaves behind are
+`copy_` calls from a view of each checkpoint tensor into a view of a parameter.
+`LoadPlan.capture` runs one `load_weights` while a TorchFunctionMode records those copies;
+`LoadPlan.replay` then makes only them, for tensors with the same names and shapes
+(`specs`), contiguous, in the same or another dtype.
+
+A capture that sees a parameter written any other way (from a tensor computed out of a
+checkpoint tensor, or by an in-place op other than a constant fill) yields no plan, and
+the caller goes on loading with `load_weights`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+# In-place ops a loader may apply to a parameter without reading the checkpoint (vocabulary padding).
+CONSTANT_WRITES = {"fill_", "zero_"}
+IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _model_storages(model: torch.nn.Module) -> set[int]:
+    return {_storage(t) for t in (*model.parameters(), *model.buffers()) if t.numel()}
+
+
+@dataclass
+class _Copy:
+    dst: torch.Tensor  # a view of a model parameter
+    size: tuple[int, ...]  # the source: this view of the checkpoint tensor (elements, not bytes)
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _CopyRecorder(TorchFunctionMode):
+    """Records every write into the model's parameters while `load_weights` runs."""
+
+    def __init__(self, model_storages: set[int]):
+        super().__init__()
+        self.model_storages = model_storages
+        self.sources: dict[int, tuple[str, torch.Tensor]] = {}  # storage -> (name, checkpoint tensor)
+        self.copies: dict[str, list[_Copy]] = {}
+        self.unexplained: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.startswith("_")) or name in IN_PLACE_DUNDERS:  # writes into args[0]
+            dst = args[0]
+            if isinstance(dst, torch.Tensor) and _storage(dst) in self.model_storages:
+                self._record(name, dst, args[1] if len(args) > 1 else None)
+        return out
+
+    def _record(self, op: str, dst: torch.Tensor, src) -> None:
+        if op in CONSTANT_WRITES:
+            return
+        source = self.sources.get(_storage(src)) if op == "copy_" and isinstance(src, torch.Tensor) else None
+        if source is None:
+            self.unexplained.append(f"{op} into a {tuple(dst.shape)} parameter view")
+            return
+        name, base = source
+        self.copies.setdefault(name, []).append(
+            _Copy(dst, tuple(src.shape), tuple(src.stride()), src.storage_offset() - base.storage_offset()))
+
+    def watch(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hand `tensors` to the loader, each in a storage of its own, so that a copy's source names it."""
+        for name, tensor in tensors:
+            own = tensor.contiguous().clone()
+            self.sources[_storage(own)] = (name, own)
+            yield name, own
+
+
+@dataclass
+class LoadPlan:
+    specs: dict[str, tuple[int, ...]]  # the checkpoint tensors it was captured from: name -> shape
+    copies: dict[str, list[_Copy]]
+    storages: set[int]  # the parameter storages it writes into
+
+    @classmethod
+    def capture(cls, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> LoadPlan | None:
+        """Load `tensors` with `model.load_weights` (the load happens either way) and record
+        it; None where a parameter was written in a way a replay could not repeat."""
+        before = _model_storages(model)
+        recorder = _CopyRecorder(before)
+        with recorder:
+            model.load_weights(recorder.watch(tensors))
+        if _model_storages(model) != before:  # e.g. `param.data = loaded_weight`: nothing to copy next time
+            recorder.unexplained.append("a parameter replaced by another tensor")
+        if recorder.unexplained:
+            logger.warning("weight loads stay on model.load_weights: it wrote %d parameter view(s) other than "
+                           "by copying a checkpoint tensor (first: %s)", len(recorder.unexplained),
+                           recorder.unexplained[0])
+            return None
+        specs = {name: tuple(t.shape) for name, t in recorder.sources.values()}
+        storages = {_storage(c.dst) for cs in recorder.copies.values() for c in cs}
+        return cls(specs, recorder.copies, storages)
+
+    def in_place(self, model: torch.nn.Module) -> bool:
+        """Whether the parameters it writes still live where they did (post-load
+        processing could have replaced one). Call after restoring any packed-away weights."""
+        return self.storages <= _model_storages(model)
+
+    def replay(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor where the captured load put it. Tensors must be contiguous."""
+        for name, tensor in tensors:
+            for c in self.copies.get(name, ()):
+                c.dst.copy_(tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset))
