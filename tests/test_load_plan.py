@@ -12,13 +12,13 @@ from asyncrl.engine.load_plan import LoadPlan
 
 
 class FusedModel(torch.nn.Module):
-    """qkv = [q; k; v] along rows, like vLLM's QKVParallelLinear; `half` keeps the second
+    """qkv = [q; k; v] along rows, like vLLM's QKVParallelLinear; `tp_half` keeps the second
     half of a tensor's columns (a tensor-parallel rank 1 of 2); `emb` pads the vocabulary."""
 
     def __init__(self):
         super().__init__()
         self.qkv = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
-        self.half = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+        self.tp_half = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
         self.emb = torch.nn.Parameter(torch.zeros(5, 4), requires_grad=False)
         self.calls = 0
 
@@ -28,8 +28,8 @@ class FusedModel(torch.nn.Module):
         for name, w in weights:
             if name in rows:
                 self.qkv.data.narrow(0, rows[name], w.shape[0]).copy_(w)
-            elif name == "half":
-                self.half.data.copy_(w.narrow(1, 2, 2))
+            elif name == "tp_half":
+                self.tp_half.data.copy_(w.narrow(1, 2, 2))
             elif name == "emb":
                 self.emb.data[:3].copy_(w)
                 self.emb.data[3:].fill_(0)
@@ -38,7 +38,7 @@ class FusedModel(torch.nn.Module):
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"q": (4, 4), "k": (1, 4), "v": (1, 4), "half": (3, 4), "emb": (3, 4), "lm_head": (3, 4)}
+    shapes = {"q": (4, 4), "k": (1, 4), "v": (1, 4), "tp_half": (3, 4), "emb": (3, 4), "lm_head": (3, 4)}
     return {n: torch.randn(*s, generator=g) for n, s in shapes.items()}
 
 
@@ -46,18 +46,18 @@ def test_replay_puts_every_tensor_where_load_weights_put_it():
     model = FusedModel()
     plan = LoadPlan.capture(model, checkpoint(0).items())
     assert plan is not None and model.calls == 1
-    assert plan.specs == {"q": (4, 4), "k": (1, 4), "v": (1, 4), "half": (3, 4), "emb": (3, 4), "lm_head": (3, 4)}
+    assert plan.specs == {"q": (4, 4), "k": (1, 4), "v": (1, 4), "tp_half": (3, 4), "emb": (3, 4), "lm_head": (3, 4)}
 
     new = checkpoint(1)
     reference = FusedModel()
     reference.load_weights(new.items())
     plan.replay(new.items())
     assert model.calls == 1  # the replay did not call load_weights
-    for name in ("qkv", "half", "emb"):
+    for name in ("qkv", "tp_half", "emb"):
         assert torch.equal(getattr(model, name), getattr(reference, name)), name
-    # By hand: rows 0-3 of qkv are q, row 4 is k, row 5 is v; half is columns 2-3.
+    # By hand: rows 0-3 of qkv are q, row 4 is k, row 5 is v; tp_half is columns 2-3.
     assert torch.equal(model.qkv, torch.cat([new["q"], new["k"], new["v"]]))
-    assert torch.equal(model.half, new["half"][:, 2:])
+    assert torch.equal(model.tp_half, new["tp_half"][:, 2:])
     assert torch.equal(model.emb[:3], new["emb"]) and not model.emb[3:].any()
     assert plan.in_place(model)
 
@@ -74,35 +74,35 @@ def test_replay_from_views_of_a_bucket_in_another_dtype():
         offset += t.numel()
     plan.replay(views)
     assert torch.equal(model.qkv, torch.cat([new["q"], new["k"], new["v"]]))
-    assert torch.equal(model.half, new["half"][:, 2:])
+    assert torch.equal(model.tp_half, new["tp_half"][:, 2:])
 
 
 class ScalingModel(FusedModel):
     def load_weights(self, weights):
         for name, w in weights:
-            if name == "half":
-                self.half.data.copy_(w.narrow(1, 2, 2) * 2)  # computed from the checkpoint: not a copy
+            if name == "tp_half":
+                self.tp_half.data.copy_(w.narrow(1, 2, 2) * 2)  # computed from the checkpoint: not a copy
 
 
 class AssigningModel(FusedModel):
     def load_weights(self, weights):
         for name, w in weights:
-            if name == "half":
-                self.half.data = w.narrow(1, 2, 2)  # the parameter becomes the checkpoint tensor
+            if name == "tp_half":
+                self.tp_half.data = w.narrow(1, 2, 2)  # the parameter becomes the checkpoint tensor
 
 
 class AddingModel(FusedModel):
     def load_weights(self, weights):
         for name, w in weights:
-            if name == "half":
-                self.half.data.add_(w.narrow(1, 2, 2))
+            if name == "tp_half":
+                self.tp_half.data.add_(w.narrow(1, 2, 2))
 
 
 def test_loads_a_replay_could_not_repeat_give_no_plan():
     for cls in (ScalingModel, AssigningModel, AddingModel):
         model = cls()
         assert LoadPlan.capture(model, checkpoint(0).items()) is None, cls.__name__
-        assert model.half.abs().sum() > 0, cls.__name__  # the load itself still happened
+        assert model.tp_half.abs().sum() > 0, cls.__name__  # the load itself still happened
 
 
 def test_a_moved_parameter_is_detected():
