@@ -51,3 +51,11 @@ def test_byte_checksum_sees_a_one_bit_change():
 def test_slots_start_on_8_byte_boundaries():
     plan = BucketPlan.build([("a", "bfloat16", [3]), ("b", "float32", [2]), ("c", "float16", [5])], bucket_bytes=64)
     assert [s.offset for s in plan.buckets[0]] == [0, 8, 16]
+
+
+def test_tensors_of_alone_bytes_get_buckets_of_their_own():
+    specs = [("a", "float32", [4]), ("big", "float32", [64]), ("b", "float32", [4]), ("c", "float32", [4])]
+    plan = BucketPlan.build(specs, bucket_bytes=1024, alone_bytes=256)
+    # big (256 B) travels alone, between the small ones before and after it.
+    assert [[s.name for s in b] for b in plan.buckets] == [["a"], ["big"], ["b", "c"]]
+    assert [[s.name for s in b] for b in BucketPlan.build(specs, bucket_bytes=1024).buckets] == [["a", "big", "b", "c"]]

@@ -77,6 +77,21 @@ def test_replay_from_views_of_a_bucket_in_another_dtype():
     assert torch.equal(model.tp_half, new["tp_half"][:, 2:])
 
 
+def test_destinations_are_whole_unchanged_copies_into_contiguous_views():
+    model = FusedModel()
+    plan = LoadPlan.capture(model, checkpoint(0).items())
+    views = plan.destinations({n: torch.float32 for n in plan.specs})
+    # q, k, v: whole, into row slices of qkv (contiguous); tp_half: only columns 2-3 of it;
+    # emb: whole, into the first 3 rows; lm_head: never loaded.
+    assert sorted(views) == ["emb", "k", "q", "v"]
+    assert views["k"].data_ptr() == model.qkv[4].data_ptr() and views["k"].shape == (1, 4)
+    assert plan.destinations({n: torch.bfloat16 for n in plan.specs}) == {}  # travels in another dtype
+    # Received there, a tensor needs no replay: the parameter already holds it.
+    new = checkpoint(3)
+    views["q"].copy_(new["q"])
+    assert torch.equal(model.qkv[:4], new["q"])
+
+
 class ScalingModel(FusedModel):
     def load_weights(self, weights):
         for name, w in weights:

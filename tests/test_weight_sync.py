@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import load_config
 from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl.sync.collective import BucketPlan
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.types import SamplingSpec
@@ -40,12 +41,15 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 
 # vLLM-CPU's oneDNN-packed weights (repacked after each load) and plain weights (a copy in place).
 # The first load into an engine runs the model's load_weights and records its copies; later
-# loads replay them (asyncrl/engine/load_plan.py). With plain weights the engine's own start
-# already loaded once (asyncrl_use_plain_weights), so its first sync replays too.
+# loads replay them (asyncrl/engine/load_plan.py) and receive each tensor that travels alone
+# (here: 256 KiB and up: gate, up, down and the embedding) straight into its parameter view.
+# With plain weights the engine's own start already loaded once (asyncrl_use_plain_weights),
+# so its first sync replays too.
 @pytest.mark.parametrize("prepack,load_paths", [(True, ["copy+repack", "replay+repack"]),
                                                 (False, ["replay", "replay"])])
 def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths):
-    cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}"])
+    cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
+                       "trainer.weight_sync_in_place_mb=0.25"])
     tok = AutoTokenizer.from_pretrained(base_model)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     trainer = None
@@ -58,6 +62,9 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         assert info["weight_bytes"] > 4_000_000 and info["tp"] == 1
         sync = WeightSync(trainer, [engine], backend="gloo")
         sync.connect()
+        plan = BucketPlan.from_wire(trainer.call("weight_plan"))
+        alone_bytes = sum(b[0].nbytes for b in plan.buckets if len(b) == 1)
+        assert alone_bytes >= 13 * 128 * 512 * 4
         ids = [tok.encode(p) for p in PROMPTS]
         before = [greedy_engine(engine, x, f"b{i}").token_ids for i, x in enumerate(ids)]
         base = AutoModelForCausalLM.from_pretrained(base_model).eval()
@@ -72,6 +79,9 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
             timings = sync.sync(version=version, pause_mode="abort")
             assert timings["sync/version"] == version and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
             assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
+            # On a replay every tensor alone in its bucket arrives in place: 4 layers x (gate, up,
+            # down) + the embedding, 128 x 512 floats each, and any small one the plan left alone.
+            assert sync.last_in_place_bytes == [alone_bytes if load_path.startswith("replay") else 0]
             # The engine generates exactly what HF generates from the trainer's exported weights ...
             generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
                                                                   tmp_path / f"hf-{version}"))

@@ -104,7 +104,8 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         "broadcast_load_s": med(p["sync/broadcast_load_s"] for p in phases),
         "load_s": med(p["sync/load_s"] for p in phases),
         "resume_s": med(p["sync/resume_s"] for p in phases),
-        "load_path": ",".join(sorted(set(sync.last_load_paths))),  # see WeightLoaderExtension._asyncrl_load
+        "load_path": ",".join(sorted(set(sync.last_load_paths))),  # see WeightLoaderExtension._asyncrl_direct_load
+        "in_place_bytes": min(sync.last_in_place_bytes),  # received straight into parameters (no copy)
         "buckets": info["weight_buckets"],
         "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
         "engines": cfg.engine.num_engines,

@@ -146,6 +146,8 @@ class TrainerConfig:
     cpu_cores: str = ""  # CPU only: cores the trainer ranks run on ("" = any); see engine.cpu_cores
     torch_threads: int = 0  # intra-op threads per rank; 0: max(1, int(num_cpus_per_rank))
     weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
+    # Tensors of at least this size travel alone, so that engines can receive them straight into their parameters.
+    weight_sync_in_place_mb: float = 1.0
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
 
 

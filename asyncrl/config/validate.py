@@ -148,6 +148,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
     at_least("trainer.torch_threads", t.torch_threads, 0, "0: max(1, int(trainer.num_cpus_per_rank))")
     need(t.weight_sync_bucket_mb > 0, "trainer.weight_sync_bucket_mb", t.weight_sync_bucket_mb, "must be > 0")
+    need(t.weight_sync_in_place_mb > 0, "trainer.weight_sync_in_place_mb", t.weight_sync_in_place_mb, "must be > 0")
     need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "must be > 0")
     for name in ("adam_beta1", "adam_beta2"):
         need(0 <= getattr(t, name) < 1, f"trainer.{name}", getattr(t, name), "must be in [0, 1)")

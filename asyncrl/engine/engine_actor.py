@@ -243,7 +243,8 @@ class EngineActor:
         `version` -> resume, in one call, so that the pause lasts no longer than the
         transfer and the load. Returns each phase's seconds (`paused_s`: the time this
         engine did not generate; `load_s`: loading and checksumming, beyond waiting for
-        bytes), the load path and the per-tensor checksums received. A failed transfer
+        bytes), the load path, the bytes received straight into parameters and the per-tensor
+        checksums received. A failed transfer
         leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
             raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
@@ -259,7 +260,8 @@ class EngineActor:
         if any(r["checksums"] != checksums for r in results[1:]):
             raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
         return {"pause_s": t1 - t0, "broadcast_load_s": t2 - t1, "receive_s": results[0]["receive_s"],
-                "load_s": results[0]["load_s"], "load_path": results[0]["load_path"], "resume_s": t3 - t2,
+                "load_s": results[0]["load_s"], "load_path": results[0]["load_path"],
+                "in_place_bytes": results[0]["in_place_bytes"], "resume_s": t3 - t2,
                 "paused_s": t3 - t0, "checksums": checksums}
 
     async def receive_raw(self) -> float:

@@ -6,7 +6,8 @@ the tiny model's 50 tensors, more than the copies themselves. All it leaves behi
 `copy_` calls from a view of each checkpoint tensor into a view of a parameter.
 `LoadPlan.capture` runs one `load_weights` while a TorchFunctionMode records those copies;
 `LoadPlan.replay` then makes only them, for tensors with the same names and shapes
-(`specs`), contiguous, in the same or another dtype.
+(`specs`), contiguous, in the same or another dtype. `LoadPlan.destinations` names the
+parameter views a tensor can be received into directly, with no copy at all.
 
 A capture that sees a parameter written any other way (from a tensor computed out of a
 checkpoint tensor, or by an in-place op other than a constant fill) yields no plan, and
@@ -35,6 +36,14 @@ def _storage(t: torch.Tensor) -> int:
 
 def _model_storages(model: torch.nn.Module) -> set[int]:
     return {_storage(t) for t in (*model.parameters(), *model.buffers()) if t.numel()}
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass
@@ -112,6 +121,24 @@ class LoadPlan:
         """Whether the parameters it writes still live where they did (post-load
         processing could have replaced one). Call after restoring any packed-away weights."""
         return self.storages <= _model_storages(model)
+
+    def destinations(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """Parameter views that a tensor can be received straight into, by name: where the
+        captured load copied the whole tensor, unchanged, into one contiguous view of the
+        same shape and of the dtype it travels in (`dtypes`), starting on an 8-byte boundary
+        (the receiver's checksum reads it as 64-bit words)."""
+        views = {}
+        for name, copies in self.copies.items():
+            shape = self.specs[name]
+            if len(copies) != 1 or name not in dtypes:
+                continue
+            c = copies[0]
+            whole = c.size == shape and c.offset == 0 and c.stride == _contiguous_strides(shape)
+            dst = c.dst
+            if (whole and tuple(dst.shape) == shape and dst.is_contiguous() and dst.dtype == dtypes[name]
+                    and dst.storage_offset() * dst.element_size() % 8 == 0):
+                views[name] = dst
+        return views
 
     def replay(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor where the captured load put it. Tensors must be contiguous."""

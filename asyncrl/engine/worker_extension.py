@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from asyncrl.engine.load_plan import LoadPlan
-from asyncrl.sync.collective import BucketPlan, broadcast_raw, byte_checksum, create_group, receive_buckets
+from asyncrl.sync.collective import DTYPES, BucketPlan, broadcast_raw, byte_checksum, create_group, receive_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -37,32 +37,41 @@ class WeightLoaderExtension:
         return rank
 
     def asyncrl_receive_weights(self, plan_wire: list) -> dict:
-        """Receive one broadcast of the whole model and load it as it arrives. Returns the
-        seconds taken, the load path and the `byte_checksum` of each tensor received, so that
-        the caller can check every engine got exactly what the trainer sent (computed while
-        the next bucket is still on its way)."""
+        """Receive one broadcast of the whole model and load it as it arrives. Where an
+        earlier load was captured (load_plan.py), tensors that travel alone go straight
+        into their parameters and the rest are copied as that load did. Returns the seconds
+        taken, the load path, the bytes received in place and the `byte_checksum` of each
+        tensor received, so that the caller can check every engine got exactly what the
+        trainer sent (computed while the next bucket is still on its way)."""
         t0 = time.monotonic()
         plan = BucketPlan.from_wire(plan_wire)
+        specs = plan.specs()
+        direct = self._asyncrl_targets() is not None
+        replay = self._asyncrl_replay_plan({n: shape for n, (shape, _) in specs.items()}) if direct else None
+        destinations = replay.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if replay else {}
         model_dtype = self.model_runner.model_config.dtype
         checksums: dict[str, int] = {}
-        waited = [0.0]
+        waited, in_place_bytes = [0.0], [0]
 
         def tensors():
-            received = receive_buckets(self._asyncrl_group, plan, self.device)
+            received = receive_buckets(self._asyncrl_group, plan, self.device, destinations)
             while True:
                 t = time.monotonic()
                 item = next(received, None)
                 waited[0] += time.monotonic() - t
                 if item is None:
                     return
-                name, tensor = item
+                name, tensor, in_place = item
                 checksums[name] = byte_checksum(tensor)
-                yield name, tensor.to(model_dtype)
+                if in_place:
+                    in_place_bytes[0] += tensor.numel() * tensor.element_size()
+                else:
+                    yield name, tensor.to(model_dtype)
 
-        path = self._asyncrl_load(tensors(), {name: tuple(shape) for name, (shape, _) in plan.specs().items()})
+        path = self._asyncrl_direct_load(replay, tensors()) if direct else self._asyncrl_reload(tensors())
         total = time.monotonic() - t0
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
-                "checksums": checksums}
+                "in_place_bytes": in_place_bytes[0], "checksums": checksums}
 
     def asyncrl_receive_raw(self, plan_wire: list) -> None:
         """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
@@ -90,28 +99,37 @@ class WeightLoaderExtension:
             self._asyncrl_direct_targets = direct_load_targets(self.model_runner.model)
         return self._asyncrl_direct_targets
 
-    def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]],
-                      specs: dict[str, tuple[int, ...]] | None = None) -> str:
-        """Load checkpoint-named tensors into the running model; returns the path taken:
-        "replay" (the copies of an earlier load, load_plan.py), "copy" (the model's
-        load_weights, in place), either "+repack" (then vLLM-CPU's oneDNN packing), or
-        "reload". `specs` (name -> shape of every tensor coming) allows a replay."""
-        model = self.model_runner.model
-        targets = self._asyncrl_targets()
-        if targets is None:
+    def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Load checkpoint-named tensors into the running model (and record the load, for
+        `asyncrl_receive_weights` to replay); returns the load path (see _asyncrl_direct_load)."""
+        if self._asyncrl_targets() is None:
             return self._asyncrl_reload(tensors)
-        for layer, weight in targets:  # give each packed linear layer a full weight again
+        self._asyncrl_replay_plan(None)
+        return self._asyncrl_direct_load(None, tensors)
+
+    def _asyncrl_replay_plan(self, specs: dict[str, tuple[int, ...]] | None) -> LoadPlan | None:
+        """Give each packed linear layer its full weight again, ready for a direct load, and
+        return the captured load if it can be replayed for tensors of `specs` (name -> shape)."""
+        model = self.model_runner.model
+        for layer, weight in self._asyncrl_targets():
             layer.weight = weight
         plan = self._asyncrl_plan
         if plan is not None and not plan.in_place(model):
             logger.warning("weight loads stay on model.load_weights: the model's parameters moved after a load")
             self._asyncrl_plan = plan = None
             self._asyncrl_capture = False
-        if plan is not None and specs == plan.specs:
-            plan.replay(tensors)
+        return plan if plan is not None and specs == plan.specs else None
+
+    def _asyncrl_direct_load(self, replay: LoadPlan | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Fill the parameters in place, by a replay of the captured load ("replay") or by
+        the model's load_weights ("copy", recorded for the next load to replay), then run the
+        post-load processing ("+repack": vLLM-CPU's oneDNN packing, after_direct_load)."""
+        model = self.model_runner.model
+        if replay is not None:
+            replay.replay(tensors)
             path = "replay"
         else:
-            if self._asyncrl_capture:  # load and record the copies, for the next load to replay
+            if self._asyncrl_capture:
                 self._asyncrl_plan = LoadPlan.capture(model, tensors)
                 self._asyncrl_capture = self._asyncrl_plan is not None
             else:

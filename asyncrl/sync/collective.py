@@ -12,7 +12,8 @@ dtypes and shapes it exports, packs them back to back as bytes into buffers of a
 only the raw bytes cross the collective. The trainer packs every bucket before the
 engines pause (`pack_buckets`), so the pause lasts only as long as the bytes take to
 move and load; the receiver yields tensors bucket by bucket as they arrive, with the
-next bucket already on its way.
+next bucket already on its way. Tensors of at least `alone_bytes` travel in buckets of their
+own, so that an engine can receive them straight into its parameters (no copy).
 """
 
 from __future__ import annotations
@@ -48,15 +49,23 @@ class BucketPlan:
     buckets: list[list[TensorSlot]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, specs: Iterable[tuple[str, str, list[int]]], bucket_bytes: int) -> BucketPlan:
-        """`specs`: (name, dtype, shape) in the order the sender will produce the tensors."""
+    def build(cls, specs: Iterable[tuple[str, str, list[int]]], bucket_bytes: int,
+              alone_bytes: int | None = None) -> BucketPlan:
+        """`specs`: (name, dtype, shape) in the order the sender will produce the tensors.
+        A tensor of at least `alone_bytes` (default: `bucket_bytes`) gets a bucket of its
+        own, which a receiver can take straight into the parameter it belongs to."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        alone_bytes = bucket_bytes if alone_bytes is None else alone_bytes
         plan, current, used = cls(), [], 0
         for name, dtype, shape in specs:
             if dtype not in DTYPES:
                 raise ValueError(f"{name}: dtype {dtype} cannot be broadcast (valid: {sorted(DTYPES)})")
             slot = TensorSlot(name, dtype, list(shape), 0)
+            if slot.nbytes >= alone_bytes:
+                plan.buckets.extend([current, [slot]] if current else [[slot]])
+                current, used = [], 0
+                continue
             used = -(-used // SLOT_ALIGN) * SLOT_ALIGN
             if current and used + slot.nbytes > bucket_bytes:
                 plan.buckets.append(current)
@@ -144,24 +153,34 @@ def send_buckets(group, buffers: list[torch.Tensor]) -> None:
         torch.distributed.broadcast(buffer, group_src=0, group=group)
 
 
-def receive_buckets(group, plan: BucketPlan, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive the broadcast bucket by bucket and yield (name, tensor) in plan order. The
-    next bucket's receive is posted before this one's tensors are handed out, so that the
-    transfer goes on while the caller loads them."""
+def receive_buckets(group, plan: BucketPlan, device: torch.device,
+                    destinations: dict[str, torch.Tensor] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """Receive the broadcast bucket by bucket and yield (name, tensor, in_place) in plan
+    order. A bucket holding only a tensor named in `destinations` (contiguous, the plan's
+    dtype and shape) is received straight into that tensor (in_place True); the others
+    into fresh buffers, whose views are yielded. The next bucket's receive is posted before
+    this one's tensors are handed out, so that the transfer goes on while the caller loads them."""
+    destinations = destinations or {}
 
-    def post(i: int) -> tuple[torch.Tensor, torch.distributed.Work]:
-        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
-        return buffer, torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
+    def post(i: int) -> tuple[torch.Tensor, bool, torch.distributed.Work]:
+        bucket = plan.buckets[i]
+        dst = destinations.get(bucket[0].name) if len(bucket) == 1 else None
+        if dst is not None:
+            buffer = dst.view(-1).view(torch.uint8)
+        else:
+            buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+        return buffer, dst is not None, torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
 
     pending = post(0) if plan.buckets else None
     for i, bucket in enumerate(plan.buckets):
-        buffer, work = pending
+        buffer, in_place, work = pending
         work.wait()
         if i + 1 < len(plan.buckets):
             pending = post(i + 1)
         for slot in bucket:
             raw = buffer[slot.offset:slot.offset + slot.nbytes]
-            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape)
+            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place
 
 
 def broadcast_raw(group, plan: BucketPlan, device: torch.device) -> None:

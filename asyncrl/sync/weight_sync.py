@@ -27,6 +27,7 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.connected = False
         self.last_load_paths: list[str] = []
+        self.last_in_place_bytes: list[int] = []  # per engine: received straight into parameters
 
     def connect(self) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -67,7 +68,8 @@ class WeightSync:
                 bad = [n for n in sent["checksums"] if r["checksums"].get(n) != sent["checksums"][n]]
                 raise RuntimeError(f"weight sync to version {version}: engine-{i} received different bytes "
                                    f"for {bad[:5]}")
-        self.last_load_paths = [r["load_path"] for r in received]  # copy, copy+repack or reload (worker_extension)
+        self.last_load_paths = [r["load_path"] for r in received]  # replay, copy, reload, +repack (worker_extension)
+        self.last_in_place_bytes = [r["in_place_bytes"] for r in received]
         timings = {"sync/stage_s": t0 - ts, "sync/total_s": t1 - t0, "sync/version": version}
         for phase in ("pause_s", "broadcast_load_s", "load_s", "resume_s", "paused_s"):
             timings[f"sync/{phase}"] = max(r[phase] for r in received)

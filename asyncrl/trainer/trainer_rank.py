@@ -132,7 +132,8 @@ class TrainerRank:
             for p in self.ref_model[0].parameters():
                 p.requires_grad_(False)
         self.optimizer, self.scheduler = self._build_optimizer()
-        self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20))
+        self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
+                                     int(t.weight_sync_in_place_mb * 2**20))
         n_params = sum(p.numel() for p in self.model[0].parameters())
         info = {"setup_s": time.monotonic() - t0, "params_this_rank": n_params, "transformer_engine": self.use_te,
                 "tp": self.tp_size, "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": self.dp_size,
