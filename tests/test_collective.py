@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.sync.collective import DTYPES, BucketPlan, byte_checksum, pack_buckets
+from asyncrl.sync.collective import DTYPES, BucketPlan, byte_checksum, pack_buckets, raw_sizes
 
 
 def unpack(plan: BucketPlan, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -59,3 +59,7 @@ def test_tensors_of_alone_bytes_get_buckets_of_their_own():
     # big (256 B) travels alone, between the small ones before and after it.
     assert [[s.name for s in b] for b in plan.buckets] == [["a"], ["big"], ["b", "c"]]
     assert [[s.name for s in b] for b in BucketPlan.build(specs, bucket_bytes=1024).buckets] == [["a", "big", "b", "c"]]
+
+
+def test_raw_sizes_cut_the_bytes_into_buckets():
+    assert raw_sizes(10, 4) == [4, 4, 2] and raw_sizes(8, 4) == [4, 4] and raw_sizes(3, 4) == [3]

@@ -10,8 +10,12 @@ group (gloo on CPU, NCCL on GPUs). Then, `bench.rounds` times, alternating:
       worker receives and loads -> version + 1 -> resume (asyncrl.sync.WeightSync.sync);
       sync_s is that exchange as the driver sees it, from sending the calls to the last
       engine's reply; `paused_s`, inside it, is the time an engine did not generate;
-  (b) raw: the same bucket sizes broadcast between the same processes, no model on either
-      side, timed the same way (the same calls, from the driver).
+  (b) raw: the same number of bytes broadcast between the same processes in buffers of
+      `trainer.weight_sync_bucket_mb`, no model on either side, timed the same way (the
+      same calls, from the driver);
+  (c) raw, in the sync's own buckets (tensors of `trainer.weight_sync_in_place_mb` and up
+      travel alone, in buckets of their own): `raw_plan_broadcast_s`, to show what that
+      layout costs the transfer itself.
 ratio = median over rounds of raw_s / sync_s (1.0 = the sync costs nothing beyond moving bytes).
 Also: the trainer's tokens/s over `bench.trainer_steps` train steps on groups of the
 recipe's prompts with `bench.max_new_tokens` sampled tokens each. Last line: one JSON object.
@@ -48,6 +52,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from asyncrl.engine.engine_actor import EngineActor, engine_options
+    from asyncrl.sync.collective import raw_sizes
     from asyncrl.sync.weight_sync import WeightSync
     from asyncrl.tasks import TaskSource
     from asyncrl.trainer.trainer_group import TrainerGroup
@@ -65,15 +70,19 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
                           timeout_s=cfg.trainer.dist_timeout_s)
         sync.connect()
 
-        sync_s, raw_s, phases = [], [], []
+        sync_s, raw_s, raw_plan_s, phases = [], [], [], []
+        chunks = raw_sizes(sync.plan.total_bytes, int(cfg.trainer.weight_sync_bucket_mb * 2**20))
+        plan_sizes = [sync.plan.bucket_nbytes(i) for i in range(len(sync.plan.buckets))]
         version = 0
         for r in range(cfg.bench.warmup_rounds + cfg.bench.rounds):
             version += 1
             timings = sync.sync(version, cfg.algorithm.pause_mode)
-            raw = sync.raw_broadcast()
+            raw = sync.raw_broadcast(chunks)
+            raw_plan = sync.raw_broadcast(plan_sizes)
             if r >= cfg.bench.warmup_rounds:
                 sync_s.append(timings["sync/total_s"])
                 raw_s.append(raw)
+                raw_plan_s.append(raw_plan)
                 phases.append(timings)
 
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
@@ -97,6 +106,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         "bytes": info["weight_bytes"],
         "sync_s": med(sync_s),
         "raw_broadcast_s": med(raw_s),
+        "raw_plan_broadcast_s": med(raw_plan_s),
         "ratio": med(r / s for r, s in zip(raw_s, sync_s)),
         "paused_s": med(p["sync/paused_s"] for p in phases),
         "stage_s": med(p["sync/stage_s"] for p in phases),
@@ -107,6 +117,7 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         "load_path": ",".join(sorted(set(sync.last_load_paths))),  # see WeightLoaderExtension._asyncrl_direct_load
         "in_place_bytes": min(sync.last_in_place_bytes),  # received straight into parameters (no copy)
         "buckets": info["weight_buckets"],
+        "raw_buffers": len(chunks),
         "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
         "engines": cfg.engine.num_engines,
         "trainer_ranks": trainer.world_size,

@@ -264,10 +264,10 @@ class EngineActor:
                 "in_place_bytes": results[0]["in_place_bytes"], "resume_s": t3 - t2,
                 "paused_s": t3 - t0, "checksums": checksums}
 
-    async def receive_raw(self) -> float:
-        """Take part in a raw broadcast of the same bytes (the weight-sync benchmark's baseline)."""
+    async def receive_raw(self, sizes: list[int]) -> float:
+        """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
         t0 = time.monotonic()
-        await self._llm.collective_rpc("asyncrl_receive_raw", args=(self._plan_wire,))
+        await self._llm.collective_rpc("asyncrl_receive_raw", args=(sizes,))
         return time.monotonic() - t0
 
     def _check_specs(self, shapes: dict[str, tuple[int, ...]]) -> None:

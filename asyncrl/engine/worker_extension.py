@@ -73,9 +73,9 @@ class WeightLoaderExtension:
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
                 "in_place_bytes": in_place_bytes[0], "checksums": checksums}
 
-    def asyncrl_receive_raw(self, plan_wire: list) -> None:
-        """Take part in a raw broadcast of the plan's bytes (the weight-sync benchmark's baseline)."""
-        broadcast_raw(self._asyncrl_group, BucketPlan.from_wire(plan_wire), self.device)
+    def asyncrl_receive_raw(self, sizes: list[int]) -> None:
+        """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
+        broadcast_raw(self._asyncrl_group, sizes, self.device)
 
     def asyncrl_parent_pid(self) -> int:
         """The parent of the process the model runs in: the engine actor when the model is in vLLM's

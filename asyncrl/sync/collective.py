@@ -183,9 +183,15 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device,
             yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place
 
 
-def broadcast_raw(group, plan: BucketPlan, device: torch.device) -> None:
-    """Broadcast buffers of the plan's bucket sizes, with no model behind them: the
-    baseline the weight-sync benchmark compares a full sync against."""
-    for i in range(len(plan.buckets)):
-        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
+    """`total_bytes` cut into buffers of `bucket_bytes` (the last one shorter)."""
+    full, rest = divmod(total_bytes, bucket_bytes)
+    return [bucket_bytes] * full + ([rest] if rest else [])
+
+
+def broadcast_raw(group, sizes: list[int], device: torch.device) -> None:
+    """Broadcast buffers of these sizes in bytes, with no model behind them: the baseline
+    the weight-sync benchmark compares a full sync against."""
+    for nbytes in sizes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         torch.distributed.broadcast(buffer, group_src=0, group=group)

@@ -16,6 +16,8 @@ from typing import Any
 
 import ray
 
+from asyncrl.sync.collective import BucketPlan
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,6 +28,7 @@ class WeightSync:
         self.backend = backend  # "gloo" on CPU, "nccl" on GPUs
         self.timeout_s = timeout_s
         self.connected = False
+        self.plan: BucketPlan | None = None  # the trainer's, once connected
         self.last_load_paths: list[str] = []
         self.last_in_place_bytes: list[int] = []  # per engine: received straight into parameters
 
@@ -35,6 +38,7 @@ class WeightSync:
         workers = ray.get([e.num_workers.remote() for e in self.engines])
         world = 1 + sum(workers)
         plan = self.trainer.call("weight_plan")
+        self.plan = BucketPlan.from_wire(plan)
         # Every member must be joining at once: the trainer's store waits for all of them.
         refs = self.trainer.submit("init_weight_group", host, port, world)
         offset = 1
@@ -79,11 +83,12 @@ class WeightSync:
                      timings["sync/resume_s"], timings["sync/total_s"])
         return timings
 
-    def raw_broadcast(self) -> float:
-        """The same bytes through the same group with no model on either side (benchmark baseline)."""
+    def raw_broadcast(self, sizes: list[int]) -> float:
+        """Buffers of these sizes through the same group, with no model on either side
+        (benchmark baseline), timed as `sync` is."""
         if not self.connected:
             self.connect()
         t0 = time.monotonic()
-        refs = self.trainer.submit("broadcast_raw") + [e.receive_raw.remote() for e in self.engines]
+        refs = self.trainer.submit("broadcast_raw", sizes) + [e.receive_raw.remote(sizes) for e in self.engines]
         ray.get(refs)
         return time.monotonic() - t0

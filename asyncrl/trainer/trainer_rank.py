@@ -403,11 +403,11 @@ class TrainerRank:
             self._staged = None
         return time.monotonic() - t0
 
-    def broadcast_raw(self) -> float:
-        """Broadcast the plan's bytes with no model behind them (benchmark baseline). Rank 0 only."""
+    def broadcast_raw(self, sizes: list[int]) -> float:
+        """Broadcast buffers of these sizes with no model behind them (benchmark baseline). Rank 0 only."""
         t0 = time.monotonic()
         if self.rank == 0:
-            broadcast_raw(self._weight_group, self.plan, self.device)
+            broadcast_raw(self._weight_group, sizes, self.device)
         return time.monotonic() - t0
 
     def export_hf(self, out_dir: str) -> str:
