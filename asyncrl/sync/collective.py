@@ -19,6 +19,7 @@ own, so that an engine can receive them straight into its parameters (no copy).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Every tensor starts at a multiple of 8 bytes in its bucket, so that `byte_checksum` can read
 # a received tensor in place as 64-bit words.
 SLOT_ALIGN = 8
+# Buckets received into fresh buffers ahead of the one being loaded: bounds the memory a
+# receive takes beside the model (in-place receives need none and are all posted early).
+MAX_BUFFERED_AHEAD = 1
 
 
 @dataclass
@@ -147,10 +151,11 @@ def pack_buckets(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 def send_buckets(group, buffers: list[torch.Tensor]) -> None:
-    """Broadcast packed buckets from group rank 0."""
-    for buffer in buffers:
-        # group_src, not src: the stateless group is not registered with torch's default world.
-        torch.distributed.broadcast(buffer, group_src=0, group=group)
+    """Broadcast packed buckets from group rank 0, all posted at once (a broadcast waited
+    for before the next is posted costs a round of scheduling latency per bucket)."""
+    # group_src, not src: the stateless group is not registered with torch's default world.
+    for work in [torch.distributed.broadcast(b, group_src=0, group=group, async_op=True) for b in buffers]:
+        work.wait()
 
 
 def receive_buckets(group, plan: BucketPlan, device: torch.device,
@@ -159,25 +164,32 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device,
     """Receive the broadcast bucket by bucket and yield (name, tensor, in_place) in plan
     order. A bucket holding only a tensor named in `destinations` (contiguous, the plan's
     dtype and shape) is received straight into that tensor (in_place True); the others
-    into fresh buffers, whose views are yielded. The next bucket's receive is posted before
-    this one's tensors are handed out, so that the transfer goes on while the caller loads them."""
+    into fresh buffers, whose views are yielded. Receives are posted ahead of the bucket
+    being handed out, so that the transfer goes on while the caller loads it."""
     destinations = destinations or {}
+    pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
+    posted = 0
 
-    def post(i: int) -> tuple[torch.Tensor, bool, torch.distributed.Work]:
-        bucket = plan.buckets[i]
-        dst = destinations.get(bucket[0].name) if len(bucket) == 1 else None
-        if dst is not None:
-            buffer = dst.view(-1).view(torch.uint8)
-        else:
-            buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
-        return buffer, dst is not None, torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
+    def post_ahead() -> None:
+        """Post receives in plan order while fewer than MAX_BUFFERED_AHEAD fresh buffers wait
+        (in-place receives take no memory and do not count)."""
+        nonlocal posted
+        while posted < len(plan.buckets) and sum(not p[1] for p in pending) < MAX_BUFFERED_AHEAD:
+            bucket = plan.buckets[posted]
+            dst = destinations.get(bucket[0].name) if len(bucket) == 1 else None
+            if dst is not None:
+                buffer = dst.view(-1).view(torch.uint8)
+            else:
+                buffer = torch.empty(plan.bucket_nbytes(posted), dtype=torch.uint8, device=device)
+            work = torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
+            pending.append((buffer, dst is not None, work))
+            posted += 1
 
-    pending = post(0) if plan.buckets else None
-    for i, bucket in enumerate(plan.buckets):
-        buffer, in_place, work = pending
+    post_ahead()
+    for bucket in plan.buckets:
+        buffer, in_place, work = pending.popleft()
         work.wait()
-        if i + 1 < len(plan.buckets):
-            pending = post(i + 1)
+        post_ahead()
         for slot in bucket:
             raw = buffer[slot.offset:slot.offset + slot.nbytes]
             yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place
@@ -190,8 +202,8 @@ def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
 
 
 def broadcast_raw(group, sizes: list[int], device: torch.device) -> None:
-    """Broadcast buffers of these sizes in bytes, with no model behind them: the baseline
-    the weight-sync benchmark compares a full sync against."""
-    for nbytes in sizes:
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        torch.distributed.broadcast(buffer, group_src=0, group=group)
+    """Broadcast buffers of these sizes in bytes, all posted at once, with no model behind
+    them: the baseline the weight-sync benchmark compares a full sync against."""
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    for work in [torch.distributed.broadcast(b, group_src=0, group=group, async_op=True) for b in buffers]:
+        work.wait()
