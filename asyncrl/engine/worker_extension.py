@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from asyncrl.engine.load_plan import LoadPlan
-from asyncrl.sync.collective import DTYPES, BucketPlan, broadcast_raw, byte_checksum, create_group, receive_buckets
+from asyncrl.sync.collective import DTYPES, BucketPlan, RawBroadcast, byte_checksum, create_group, receive_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ class WeightLoaderExtension:
     _asyncrl_prepack = True  # vLLM-CPU: pack linear weights for oneDNN after each load (see after_direct_load)
     _asyncrl_plan: LoadPlan | None = None  # the copies of the last captured load (load_plan.py)
     _asyncrl_capture = True  # false once a capture failed: the model's loads cannot be replayed
+    _asyncrl_raw: RawBroadcast | None = None  # the benchmark's baseline broadcast
 
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
         """Load a whole state dict sent as safetensors bytes (tests, small models)."""
@@ -75,7 +76,9 @@ class WeightLoaderExtension:
 
     def asyncrl_receive_raw(self, sizes: list[int]) -> None:
         """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
-        broadcast_raw(self._asyncrl_group, sizes, self.device)
+        if self._asyncrl_raw is None:
+            self._asyncrl_raw = RawBroadcast(self.device)
+        self._asyncrl_raw.run(self._asyncrl_group, sizes)
 
     def asyncrl_parent_pid(self) -> int:
         """The parent of the process the model runs in: the engine actor when the model is in vLLM's

@@ -151,11 +151,8 @@ def pack_buckets(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 def send_buckets(group, buffers: list[torch.Tensor]) -> None:
-    """Broadcast packed buckets from group rank 0, all posted at once (a broadcast waited
-    for before the next is posted costs a round of scheduling latency per bucket)."""
-    # group_src, not src: the stateless group is not registered with torch's default world.
-    for work in [torch.distributed.broadcast(b, group_src=0, group=group, async_op=True) for b in buffers]:
-        work.wait()
+    """Broadcast packed buckets from group rank 0."""
+    broadcast_all(group, buffers)
 
 
 def receive_buckets(group, plan: BucketPlan, device: torch.device,
@@ -201,9 +198,25 @@ def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
     return [bucket_bytes] * full + ([rest] if rest else [])
 
 
-def broadcast_raw(group, sizes: list[int], device: torch.device) -> None:
-    """Broadcast buffers of these sizes in bytes, all posted at once, with no model behind
-    them: the baseline the weight-sync benchmark compares a full sync against."""
-    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+class RawBroadcast:
+    """The weight-sync benchmark's baseline: buffers of the given sizes broadcast all at
+    once, no model behind them. The buffers for each list of sizes are allocated and touched
+    once and kept, so that no allocation or page fault is timed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def run(self, group, sizes: list[int]) -> None:
+        key = tuple(sizes)
+        if key not in self.buffers:
+            self.buffers[key] = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        broadcast_all(group, self.buffers[key])
+
+
+def broadcast_all(group, buffers: list[torch.Tensor]) -> None:
+    """Broadcast from group rank 0, all posted at once (one broadcast waited for before the
+    next is posted costs a round of scheduling latency each)."""
+    # group_src, not src: the stateless group is not registered with torch's default world.
     for work in [torch.distributed.broadcast(b, group_src=0, group=group, async_op=True) for b in buffers]:
         work.wait()

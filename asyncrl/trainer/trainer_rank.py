@@ -42,7 +42,7 @@ from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.sync.collective import (
     BucketPlan,
-    broadcast_raw,
+    RawBroadcast,
     byte_checksum,
     create_group,
     dtype_name,
@@ -84,6 +84,7 @@ class TrainerRank:
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
         self._weight_group = None
+        self._raw: RawBroadcast | None = None  # the weight-sync benchmark's baseline broadcast
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
 
     # -- setup ---------------------------------------------------------------------
@@ -407,7 +408,9 @@ class TrainerRank:
         """Broadcast buffers of these sizes with no model behind them (benchmark baseline). Rank 0 only."""
         t0 = time.monotonic()
         if self.rank == 0:
-            broadcast_raw(self._weight_group, sizes, self.device)
+            if self._raw is None:
+                self._raw = RawBroadcast(self.device)
+            self._raw.run(self._weight_group, sizes)
         return time.monotonic() - t0
 
     def export_hf(self, out_dir: str) -> str:
