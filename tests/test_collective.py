@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.sync.collective import DTYPES, BucketPlan, byte_checksum, pack_buckets, raw_sizes
+from asyncrl.sync.collective import DTYPES, BucketPlan, ReceiveBuffers, byte_checksum, pack_buckets, raw_sizes
 
 
 def unpack(plan: BucketPlan, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,3 +63,12 @@ def test_tensors_of_alone_bytes_get_buckets_of_their_own():
 
 def test_raw_sizes_cut_the_bytes_into_buckets():
     assert raw_sizes(10, 4) == [4, 4, 2] and raw_sizes(8, 4) == [4, 4] and raw_sizes(3, 4) == [3]
+
+
+def test_receive_buffers_take_turns_and_grow():
+    buffers = ReceiveBuffers(torch.device("cpu"))
+    first, second = buffers.take(10), buffers.take(20)
+    assert first.numel() == 10 and second.numel() == 20 and first.data_ptr() != second.data_ptr()
+    again = buffers.take(5)  # the first slot, its bucket loaded by now: reused, not reallocated
+    assert again.numel() == 5 and again.data_ptr() == first.data_ptr()
+    assert buffers.take(30).data_ptr() != second.data_ptr()  # too small for 30 bytes: replaced

@@ -13,7 +13,15 @@ import safetensors.torch
 import torch
 
 from asyncrl.engine.load_plan import LoadPlan
-from asyncrl.sync.collective import DTYPES, BucketPlan, RawBroadcast, byte_checksum, create_group, receive_buckets
+from asyncrl.sync.collective import (
+    DTYPES,
+    BucketPlan,
+    RawBroadcast,
+    ReceiveBuffers,
+    byte_checksum,
+    create_group,
+    receive_buckets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +33,7 @@ class WeightLoaderExtension:
     _asyncrl_plan: LoadPlan | None = None  # the copies of the last captured load (load_plan.py)
     _asyncrl_capture = True  # false once a capture failed: the model's loads cannot be replayed
     _asyncrl_raw: RawBroadcast | None = None  # the benchmark's baseline broadcast
+    _asyncrl_buffers: ReceiveBuffers | None = None  # kept between syncs (collective.py)
 
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
         """Load a whole state dict sent as safetensors bytes (tests, small models)."""
@@ -50,12 +59,17 @@ class WeightLoaderExtension:
         direct = self._asyncrl_targets() is not None
         replay = self._asyncrl_replay_plan({n: shape for n, (shape, _) in specs.items()}) if direct else None
         destinations = replay.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if replay else {}
+        # A replay copies each tensor as it comes, so receive buffers can be reused; a model's
+        # load_weights or vLLM's reload may hold on to tensors, so those get fresh ones.
+        if replay is not None and self._asyncrl_buffers is None:
+            self._asyncrl_buffers = ReceiveBuffers(self.device)
+        buffers = self._asyncrl_buffers if replay is not None else None
         model_dtype = self.model_runner.model_config.dtype
         checksums: dict[str, int] = {}
         waited, in_place_bytes = [0.0], [0]
 
         def tensors():
-            received = receive_buckets(self._asyncrl_group, plan, self.device, destinations)
+            received = receive_buckets(self._asyncrl_group, plan, self.device, buffers, destinations)
             while True:
                 t = time.monotonic()
                 item = next(received, None)
