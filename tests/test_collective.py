@@ -3,6 +3,9 @@ tested end to end in test_weight_sync.py)."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from asyncrl.sync.collective import DTYPES, BucketPlan, ReceiveBuffers, byte_checksum, pack_buckets, raw_sizes
@@ -19,8 +22,9 @@ def test_buckets_round_trip_and_checksums_match_on_both_sides():
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(40, 8)}
     plan = BucketPlan.build([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()],
                             bucket_bytes=100)
-    # a (60 B) and b (14 B, from byte 64) share a bucket; c (1280 B) is bigger than one and gets its own.
-    assert [[s.name for s in b] for b in plan.buckets] == [["a", "b"], ["c"]]
+    # a (60 B) and b (14 B, from byte 64) share a bucket; c (1280 B) is bigger than one and
+    # gets its own, at once, while a and b's bucket waits to be full or last.
+    assert [[s.name for s in b] for b in plan.buckets] == [["c"], ["a", "b"]]
     received = unpack(plan, pack_buckets(plan, iter(tensors.items()), torch.device("cpu")))
     for name, t in tensors.items():
         assert torch.equal(received[name], t)
@@ -56,8 +60,8 @@ def test_slots_start_on_8_byte_boundaries():
 def test_tensors_of_alone_bytes_get_buckets_of_their_own():
     specs = [("a", "float32", [4]), ("big", "float32", [64]), ("b", "float32", [4]), ("c", "float32", [4])]
     plan = BucketPlan.build(specs, bucket_bytes=1024, alone_bytes=256)
-    # big (256 B) travels alone, between the small ones before and after it.
-    assert [[s.name for s in b] for b in plan.buckets] == [["a"], ["big"], ["b", "c"]]
+    # big (256 B) travels alone; the small ones before and after it share one bucket.
+    assert [[s.name for s in b] for b in plan.buckets] == [["big"], ["a", "b", "c"]]
     assert [[s.name for s in b] for b in BucketPlan.build(specs, bucket_bytes=1024).buckets] == [["a", "big", "b", "c"]]
 
 
@@ -72,3 +76,13 @@ def test_receive_buffers_take_turns_and_grow():
     again = buffers.take(5)  # the first slot, its bucket loaded by now: reused, not reallocated
     assert again.numel() == 5 and again.data_ptr() == first.data_ptr()
     assert buffers.take(30).data_ptr() != second.data_ptr()  # too small for 30 bytes: replaced
+
+
+def test_packing_checks_every_tensor_against_the_plan():
+    plan = BucketPlan.build([("a", "float32", [2]), ("b", "float32", [3])], bucket_bytes=64)
+    ok = {"a": torch.ones(2), "b": torch.zeros(3)}
+    assert len(pack_buckets(plan, reversed(list(ok.items())), torch.device("cpu"))) == 1  # any order
+    for bad, message in [({"a": ok["a"]}, "not given"), ({**ok, "c": torch.ones(1)}, "not in the bucket plan"),
+                         ({"a": ok["a"], "b": torch.zeros(4)}, "the plan says [3]")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            pack_buckets(plan, iter(bad.items()), torch.device("cpu"))

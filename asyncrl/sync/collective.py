@@ -55,9 +55,10 @@ class BucketPlan:
     @classmethod
     def build(cls, specs: Iterable[tuple[str, str, list[int]]], bucket_bytes: int,
               alone_bytes: int | None = None) -> BucketPlan:
-        """`specs`: (name, dtype, shape) in the order the sender will produce the tensors.
-        A tensor of at least `alone_bytes` (default: `bucket_bytes`) gets a bucket of its
-        own, which a receiver can take straight into the parameter it belongs to."""
+        """`specs`: (name, dtype, shape), in the order the sender exports them. A tensor of
+        at least `alone_bytes` (default: `bucket_bytes`) gets a bucket of its own, which a
+        receiver can take straight into the parameter it belongs to; the smaller ones around
+        it go on filling the bucket they were filling (fewer, fuller buckets)."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         alone_bytes = bucket_bytes if alone_bytes is None else alone_bytes
@@ -67,8 +68,7 @@ class BucketPlan:
                 raise ValueError(f"{name}: dtype {dtype} cannot be broadcast (valid: {sorted(DTYPES)})")
             slot = TensorSlot(name, dtype, list(shape), 0)
             if slot.nbytes >= alone_bytes:
-                plan.buckets.extend([current, [slot]] if current else [[slot]])
-                current, used = [], 0
+                plan.buckets.append([slot])
                 continue
             used = -(-used // SLOT_ALIGN) * SLOT_ALIGN
             if current and used + slot.nbytes > bucket_bytes:
@@ -133,20 +133,23 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str,
     )
 
 
-def pack_buckets(plan: BucketPlan, tensors: Iterator[tuple[str, torch.Tensor]],
+def pack_buckets(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]],
                  device: torch.device) -> list[torch.Tensor]:
-    """Copy `tensors` (in plan order) into one byte buffer per bucket."""
-    buffers = []
-    for i, bucket in enumerate(plan.buckets):
-        buffer = torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
-        for slot in bucket:
-            name, tensor = next(tensors)
-            if name != slot.name or list(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
-                raise ValueError(f"bucket {i}: got {name} {list(tensor.shape)} {tensor.dtype}, plan says "
-                                 f"{slot.name} {slot.shape} {slot.dtype}")
-            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-            buffer[slot.offset:slot.offset + slot.nbytes].copy_(flat)
-        buffers.append(buffer)
+    """Copy `tensors` (any order) into one byte buffer per bucket; each of the plan's
+    tensors must come exactly once, with the plan's shape and dtype."""
+    slots = {s.name: (i, s) for i, bucket in enumerate(plan.buckets) for s in bucket}
+    buffers = [torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device) for i in range(len(plan.buckets))]
+    for name, tensor in tensors:
+        if name not in slots:
+            raise ValueError(f"{name}: not in the bucket plan, or given twice")
+        i, slot = slots.pop(name)
+        if list(tensor.shape) != slot.shape or dtype_name(tensor.dtype) != slot.dtype:
+            raise ValueError(f"{name}: got {list(tensor.shape)} {tensor.dtype}, "
+                             f"the plan says {slot.shape} {slot.dtype}")
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        buffers[i][slot.offset:slot.offset + slot.nbytes].copy_(flat)
+    if slots:
+        raise ValueError(f"{len(slots)} tensor(s) of the bucket plan not given, e.g. {sorted(slots)[:5]}")
     return buffers
 
 
