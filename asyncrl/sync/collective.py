@@ -29,8 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Every tensor starts at a multiple of 8 bytes in its bucket, so that `byte_checksum` can read
 # a received tensor in place as 64-bit words.
 SLOT_ALIGN = 8
-# Buckets received into fresh buffers ahead of the one being loaded: bounds the memory a
-# receive takes beside the model (in-place receives need none and are all posted early).
+# Buckets received into buffers (not in place) ahead of the one being loaded: bounds the
+# memory a receive takes beside the model (in-place receives need none and are all posted early).
 MAX_BUFFERED_AHEAD = 1
 
 
@@ -184,8 +184,8 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
     order. A bucket holding only a tensor named in `destinations` (contiguous, the plan's
     dtype and shape) is received straight into that tensor (in_place True); the others
     into buffers whose views are yielded: fresh ones, or, given `buffers`, reused ones (load
-    or copy each tensor before asking for the next bucket's). Receives are posted ahead of the bucket being
-    handed out, so that the transfer goes on while the caller loads it."""
+    or copy each tensor before asking for the next bucket's). Receives are posted ahead of
+    the bucket being handed out, so that the transfer goes on while the caller loads it."""
     destinations = destinations or {}
     pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
     posted = 0
