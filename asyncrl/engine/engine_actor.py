@@ -244,8 +244,7 @@ class EngineActor:
         transfer and the load. Returns each phase's seconds (`paused_s`: the time this
         engine did not generate; `load_s`: loading and checksumming, beyond waiting for
         bytes), the load path, the bytes received straight into parameters and the per-tensor
-        checksums received. A failed transfer
-        leaves the engine paused: its weights are partial."""
+        checksums received. A failed transfer leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
             raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
         t0 = time.monotonic()

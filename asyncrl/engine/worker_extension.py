@@ -57,7 +57,11 @@ class WeightLoaderExtension:
         plan = BucketPlan.from_wire(plan_wire)
         specs = plan.specs()
         direct = self._asyncrl_targets() is not None
-        replay = self._asyncrl_replay_plan({n: shape for n, (shape, _) in specs.items()}) if direct else None
+        if direct:
+            self._asyncrl_prepare_direct_load()
+        plan_shapes = {n: shape for n, (shape, _) in specs.items()}
+        captured = self._asyncrl_plan if direct else None
+        replay = captured if captured is not None and captured.specs == plan_shapes else None
         destinations = replay.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if replay else {}
         # A replay copies each tensor as it comes, so receive buffers can be reused; a model's
         # load_weights or vLLM's reload may hold on to tensors, so those get fresh ones.
@@ -121,21 +125,18 @@ class WeightLoaderExtension:
         `asyncrl_receive_weights` to replay); returns the load path (see _asyncrl_direct_load)."""
         if self._asyncrl_targets() is None:
             return self._asyncrl_reload(tensors)
-        self._asyncrl_replay_plan(None)
+        self._asyncrl_prepare_direct_load()
         return self._asyncrl_direct_load(None, tensors)
 
-    def _asyncrl_replay_plan(self, specs: dict[str, tuple[int, ...]] | None) -> LoadPlan | None:
-        """Give each packed linear layer its full weight again, ready for a direct load, and
-        return the captured load if it can be replayed for tensors of `specs` (name -> shape)."""
-        model = self.model_runner.model
+    def _asyncrl_prepare_direct_load(self) -> None:
+        """Give each packed linear layer its full weight again, and drop the captured load if
+        the parameters it writes have moved since (post-load processing replaced one)."""
         for layer, weight in self._asyncrl_targets():
             layer.weight = weight
-        plan = self._asyncrl_plan
-        if plan is not None and not plan.in_place(model):
+        if self._asyncrl_plan is not None and not self._asyncrl_plan.in_place(self.model_runner.model):
             logger.warning("weight loads stay on model.load_weights: the model's parameters moved after a load")
-            self._asyncrl_plan = plan = None
+            self._asyncrl_plan = None
             self._asyncrl_capture = False
-        return plan if plan is not None and specs == plan.specs else None
 
     def _asyncrl_direct_load(self, replay: LoadPlan | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Fill the parameters in place, by a replay of the captured load ("replay") or by

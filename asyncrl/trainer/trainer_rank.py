@@ -84,7 +84,7 @@ class TrainerRank:
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
         self._weight_group = None
-        self._raw: RawBroadcast | None = None  # the weight-sync benchmark's baseline broadcast
+        self._raw = RawBroadcast(self.device)  # the weight-sync benchmark's baseline (allocates on first use)
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
 
     # -- setup ---------------------------------------------------------------------
@@ -408,8 +408,6 @@ class TrainerRank:
         """Broadcast buffers of these sizes with no model behind them (benchmark baseline). Rank 0 only."""
         t0 = time.monotonic()
         if self.rank == 0:
-            if self._raw is None:
-                self._raw = RawBroadcast(self.device)
             self._raw.run(self._weight_group, sizes)
         return time.monotonic() - t0
 
