@@ -72,8 +72,10 @@ def test_bucket_checksums_equal_each_tensors_byte_checksum():
     for bucket, buffer in zip(plan.buckets, buffers):
         for s, after in zip(bucket, bucket[1:]):  # padding between slots is not part of any tensor
             buffer[s.offset + s.nbytes:after.offset] = 255
-        got = dict(zip([s.name for s in bucket], bucket_checksums(buffer, bucket)))
-        assert got == {s.name: byte_checksum(tensors[s.name]) for s in bucket}
+        expected = [byte_checksum(tensors[s.name]) for s in bucket]
+        assert bucket_checksums(buffer, bucket) == expected
+        scratch = torch.full((buffer.numel(),), 12345, dtype=torch.int64)  # kept from an earlier, bigger bucket
+        assert bucket_checksums(buffer, bucket, scratch) == expected
 
 
 def test_slots_start_on_8_byte_boundaries():
@@ -100,6 +102,8 @@ def test_receive_buffers_take_turns_and_grow():
     again = buffers.take(5)  # the first slot, its bucket loaded by now: reused, not reallocated
     assert again.numel() == 5 and again.data_ptr() == first.data_ptr()
     assert buffers.take(30).data_ptr() != second.data_ptr()  # too small for 30 bytes: replaced
+    scratch = buffers.checksum_scratch(80)
+    assert scratch.numel() == 11 and buffers.checksum_scratch(40).data_ptr() == scratch.data_ptr()
 
 
 def test_packing_checks_every_tensor_against_the_plan():

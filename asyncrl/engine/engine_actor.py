@@ -84,6 +84,9 @@ class EngineActor:
         self._plan_wire: list | None = None  # the trainer's bucket plan, once this engine joined its group
         self._accepting = asyncio.Event()  # cleared while paused: new requests wait for resume()
         self._accepting.set()
+        self._idle = asyncio.Event()  # set while no request is outstanding
+        self._idle.set()
+        self._pause_is_immediate = False  # set in start()
         self._expected_weights = _checkpoint_tensor_specs(model_path)
         self._channel: ChannelServer | None = None
         self._channel_address: ChannelAddress | None = None
@@ -102,6 +105,9 @@ class EngineActor:
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
+        # One batch at a time (no async scheduling, no pipeline stages): nothing is in flight
+        # between steps, so the core's abort pause completes as soon as it is handled.
+        self._pause_is_immediate = self._llm.vllm_config.max_concurrent_batches == 1
         plain = False
         if self.device == "cpu" and not self.cfg.cpu_prepack_weights:
             plain = all(await self._llm.collective_rpc("asyncrl_use_plain_weights", args=(self.model_path,)))
@@ -148,6 +154,7 @@ class EngineActor:
         await self._accepting.wait()
         if not self._outstanding:
             self._busy_since = time.monotonic()
+            self._idle.clear()
         self._outstanding.add(request_id)
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
@@ -166,6 +173,7 @@ class EngineActor:
             self._outstanding.discard(request_id)
             if not self._outstanding:
                 self._busy_s += time.monotonic() - self._busy_since
+                self._idle.set()
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"engine-{self.engine_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs "
                                f"for request {request_id}")
@@ -186,32 +194,42 @@ class EngineActor:
     async def pause(self, mode: str = "abort") -> float:
         """Stop generating. `abort`: in-flight requests end now and return what they have;
         `keep`: they wait inside vLLM and continue after `resume()`. Returns seconds taken."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
-        if mode == "keep" and not self.stream_outputs:
-            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
-                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
         t0 = time.monotonic()
-        self._accepting.clear()
-        # `abort` drops the KV cache, which holds keys and values of the old weights;
-        # `keep` must keep it for the frozen requests to continue.
-        # The engine core's pause directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep
-        # for output ordering, which the wait below already provides.
-        await self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=(mode == "abort"))
-        if mode == "abort":
-            # Let the aborted streams deliver their final outputs before returning. A request
-            # submitted just before the pause can reach the engine core after its abort sweep;
-            # the core then holds it until resume, so past a grace period abort it here.
-            grace_ends = t0 + ABORT_GRACE_S
-            while self._outstanding:
-                if time.monotonic() > grace_ends:
-                    await self._llm.abort(list(self._outstanding))
-                await asyncio.sleep(0.005)
+        await self._pause_core(mode)
+        await self._drain_aborted(mode, t0)
         return time.monotonic() - t0
 
     async def resume(self) -> None:
         await self._llm.resume_generation()
         self._accepting.set()
+
+    def _pause_core(self, mode: str) -> asyncio.Future:
+        """Stop admitting requests and send the engine core its pause (sent on return; the
+        future completes with the core's reply)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+        if mode == "keep" and not self.stream_outputs:
+            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
+                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
+        self._accepting.clear()
+        # `abort` drops the KV cache, which holds keys and values of the old weights;
+        # `keep` must keep it for the frozen requests to continue.
+        # The engine core's pause directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep
+        # for output ordering, which _drain_aborted already provides.
+        return asyncio.ensure_future(
+            self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=(mode == "abort")))
+
+    async def _drain_aborted(self, mode: str, t0: float) -> None:
+        """`abort`: wait until the aborted streams delivered their final outputs. A request
+        submitted just before the pause can reach the engine core after its abort sweep;
+        the core then holds it until resume, so past a grace period it is aborted here."""
+        if mode != "abort" or self._idle.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, t0 + ABORT_GRACE_S - time.monotonic()))
+        except TimeoutError:
+            await self._llm.abort(list(self._outstanding))
+            await self._idle.wait()
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Load a full Hugging Face-named state dict and become `version`. Returns seconds taken."""
@@ -247,17 +265,25 @@ class EngineActor:
         checksums received. A failed transfer leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
             raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
+        # The engine core runs utility calls one at a time, in the order they were sent. Its
+        # abort pause completes at once where no batch can be in flight (no async scheduling,
+        # no pipeline stages), so the receive is sent right behind it, not after its reply.
         t0 = time.monotonic()
-        await self.pause(pause_mode)
+        pause = self._pause_core(pause_mode)
+        if not (pause_mode == "abort" and self._pause_is_immediate):
+            await pause
+        receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,)))
+        await pause
+        await self._drain_aborted(pause_mode, t0)
         t1 = time.monotonic()
-        receive = self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,))
         if pause_mode == "abort":
-            # No request is left in the engine core and none is sent to it before _accepting
-            # is set, so the core may resume at once: its resume travels with the receive
-            # instead of after it (one round trip fewer). If the receive fails, the core has
-            # nothing to run and this actor stays paused.
-            results, _ = await asyncio.gather(receive, self._llm.resume_generation())
+            # No request is left in the engine core now and none is sent to it before
+            # _accepting is set, so the core may resume at once: its resume goes behind the
+            # receive instead of after its reply. If the receive fails, this actor stays paused.
+            resume = asyncio.ensure_future(self._llm.resume_generation())
+            results = await receive
             t2 = time.monotonic()
+            await resume
             self.version = version
             self._accepting.set()
         else:
