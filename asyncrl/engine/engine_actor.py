@@ -260,7 +260,7 @@ class EngineActor:
         """pause -> receive the trainer's broadcast into every worker and load it -> become
         `version` -> resume, in one call, so that the pause lasts no longer than the
         transfer and the load. Returns each phase's seconds (`paused_s`: the time this
-        engine did not generate; `load_s`: loading and checksumming, beyond waiting for
+        engine did not generate; `load_s`: loading, beyond receiving and checksumming the
         bytes), the load path, the bytes received straight into parameters and the per-tensor
         checksums received. A failed transfer leaves the engine paused: its weights are partial."""
         if self._plan_wire is None:
