@@ -138,7 +138,7 @@ def bucket_checksums(buffer: torch.Tensor, bucket: list[TensorSlot], scratch: to
     running[0] = 0
     torch.cumsum(words, 0, out=running[1:])  # wraps around as byte_checksum's sum does
     ends = [(s.offset + s.nbytes) // 8 for s in bucket]
-    starts = torch.tensor([s.offset // SLOT_ALIGN for s in bucket], device=buffer.device)
+    starts = torch.tensor([s.offset // 8 for s in bucket], device=buffer.device)  # slots start on a word
     sums = (running[torch.tensor(ends, device=buffer.device)] - running[starts]).tolist()
     for i, (s, end) in enumerate(zip(bucket, ends)):
         if end * 8 < s.offset + s.nbytes:  # a tail shorter than a word, added byte by byte
@@ -218,7 +218,7 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
     into that tensor (in_place True); the others into buffers whose views are yielded:
     fresh ones, or, given `buffers`, reused ones (load or copy each tensor before asking for
     the next bucket's). Receives are posted ahead of the bucket being handed out, so that
-    the transfer goes on while the caller checksums and loads it."""
+    the transfer goes on while it is checksummed and loaded."""
     destinations = destinations or {}
     pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
     posted = 0
