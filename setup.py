@@ -23,6 +23,7 @@ REQUIRES = [
     "msgspec",  # the engines' request channel (vLLM depends on it too)
     "matplotlib",
     "tqdm",
+    "numpy",  # weight-sync checksums (torch and vLLM depend on it too)
 ]
 
 setup(

@@ -15,6 +15,8 @@ from asyncrl.sync.collective import (
     bucket_checksums,
     byte_checksum,
     pack_buckets,
+    range_sums_numpy,
+    range_sums_running,
     raw_sizes,
 )
 
@@ -74,8 +76,20 @@ def test_bucket_checksums_equal_each_tensors_byte_checksum():
             buffer[s.offset + s.nbytes:after.offset] = 255
         expected = [byte_checksum(tensors[s.name]) for s in bucket]
         assert bucket_checksums(buffer, bucket) == expected
-        scratch = torch.full((buffer.numel(),), 12345, dtype=torch.int64)  # kept from an earlier, bigger bucket
-        assert bucket_checksums(buffer, bucket, scratch) == expected
+
+
+def test_range_sums_wrap_around_and_skip_gaps_both_ways():
+    words = torch.randint(-2**63, 2**63 - 1, (20,), dtype=torch.int64)  # random words: the sums overflow
+
+    def by_hand(starts, ends):
+        return [signed64(sum(words[s:e].tolist())) for s, e in zip(starts, ends)]
+
+    # gaps, ranges touching, an empty range (a tensor shorter than a word), one running to the end, one at the end
+    for starts, ends in [([0, 3, 9], [2, 9, 20]), ([1, 4, 4, 7], [4, 4, 6, 12]), ([0, 5, 20], [5, 20, 20])]:
+        assert range_sums_numpy(words, starts, ends) == by_hand(starts, ends)
+        scratch = torch.full((30,), 12345, dtype=torch.int64)  # kept from an earlier, bigger bucket
+        assert range_sums_running(words, starts, ends) == range_sums_running(words, starts, ends, scratch) \
+            == by_hand(starts, ends)
 
 
 def test_slots_start_on_8_byte_boundaries():

@@ -81,7 +81,7 @@ class EngineActor:
         self._outstanding: set[str] = set()
         self._busy_s = 0.0  # total time with at least one request outstanding (for idle ratios)
         self._busy_since = 0.0
-        self._plan_wire: list | None = None  # the trainer's bucket plan, once this engine joined its group
+        self._joined = False  # the trainer's broadcast group, with its bucket plan (init_weight_group)
         self._accepting = asyncio.Event()  # cleared while paused: new requests wait for resume()
         self._accepting.set()
         self._idle = asyncio.Event()  # set while no request is outstanding
@@ -248,13 +248,14 @@ class EngineActor:
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                                 plan_wire: list, timeout_s: float) -> None:
-        """Check the trainer's bucket plan against this model, then join the broadcast group."""
+        """Check the trainer's bucket plan against this model, then join the broadcast group
+        (each worker keeps the plan: every later broadcast follows it)."""
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
         self._check_specs(specs)
-        self._plan_wire = plan_wire
         await self._llm.collective_rpc("asyncrl_init_weight_group",
-                                       args=(host, port, rank_offset, world_size, backend, timeout_s))
+                                       args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s))
+        self._joined = True
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
         """pause -> receive the trainer's broadcast into every worker and load it -> become
@@ -263,7 +264,7 @@ class EngineActor:
         engine did not generate; `load_s`: loading, beyond receiving and checksumming the
         bytes), the load path, the bytes received straight into parameters and the per-tensor
         checksums received. A failed transfer leaves the engine paused: its weights are partial."""
-        if self._plan_wire is None:
+        if not self._joined:
             raise RuntimeError(f"engine-{self.engine_id}: update_weights before init_weight_group")
         # The engine core runs utility calls one at a time, in the order they were sent. Its
         # abort pause completes at once where no batch can be in flight (no async scheduling,
@@ -272,7 +273,7 @@ class EngineActor:
         pause = self._pause_core(pause_mode)
         if not (pause_mode == "abort" and self._pause_is_immediate):
             await pause
-        receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights", args=(self._plan_wire,)))
+        receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
         await pause
         await self._drain_aborted(pause_mode, t0)
         t1 = time.monotonic()

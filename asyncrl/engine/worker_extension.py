@@ -33,35 +33,35 @@ class WeightLoaderExtension:
     _asyncrl_capture = True  # false once a capture failed: the model's loads cannot be replayed
     _asyncrl_raw: RawBroadcast | None = None  # the benchmark's baseline broadcast
     _asyncrl_buffers: ReceiveBuffers | None = None  # kept between syncs (collective.py)
+    _asyncrl_bucket_plan: BucketPlan | None = None  # the trainer's, from asyncrl_init_weight_group
+    _asyncrl_replay_cache: tuple | None = None  # (captured plan, replay or None, destinations): _asyncrl_replay
 
     def asyncrl_load_weights(self, safetensors_blob: bytes) -> None:
         """Load a whole state dict sent as safetensors bytes (tests, small models)."""
         self._asyncrl_load(safetensors.torch.load(safetensors_blob).items())
 
     def asyncrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                  backend: str, timeout_s: float) -> int:
-        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`."""
+                                  backend: str, plan_wire: list, timeout_s: float) -> int:
+        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`, and
+        keep its bucket plan (every broadcast follows it)."""
         rank = rank_offset + self.rank
         self._asyncrl_group = create_group(host, port, rank, world_size, backend, timeout_s)
+        self._asyncrl_bucket_plan = BucketPlan.from_wire(plan_wire)
         return rank
 
-    def asyncrl_receive_weights(self, plan_wire: list) -> dict:
-        """Receive one broadcast of the whole model and load it as it arrives. Where an
-        earlier load was captured (load_plan.py), tensors that travel alone go straight
-        into their parameters and the rest are copied as that load did. Returns the seconds
-        taken, the load path, the bytes received in place and the `byte_checksum` of each
-        tensor received, so that the caller can check every engine got exactly what the
-        trainer sent (computed while the next bucket is still on its way)."""
+    def asyncrl_receive_weights(self) -> dict:
+        """Receive one broadcast of the whole model (in the group's bucket plan) and load it
+        as it arrives. Where an earlier load was captured (load_plan.py), tensors that travel
+        alone go straight into their parameters and the rest are copied as that load did.
+        Returns the seconds taken, the load path, the bytes received in place and the
+        `byte_checksum` of each tensor received, so that the caller can check every engine
+        got exactly what the trainer sent (computed while the next bucket is still on its way)."""
         t0 = time.monotonic()
-        plan = BucketPlan.from_wire(plan_wire)
-        specs = plan.specs()
+        plan = self._asyncrl_bucket_plan
         direct = self._asyncrl_targets() is not None
         if direct:
             self._asyncrl_prepare_direct_load()
-        plan_shapes = {n: shape for n, (shape, _) in specs.items()}
-        captured = self._asyncrl_plan if direct else None
-        replay = captured if captured is not None and captured.specs == plan_shapes else None
-        destinations = replay.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if replay else {}
+        replay, destinations = self._asyncrl_replay(plan) if direct else (None, {})
         # A replay copies each tensor as it comes, so receive buffers can be reused; a model's
         # load_weights or vLLM's reload may hold on to tensors, so those get fresh ones.
         if replay is not None and self._asyncrl_buffers is None:
@@ -89,6 +89,20 @@ class WeightLoaderExtension:
         total = time.monotonic() - t0
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
                 "in_place_bytes": in_place_bytes[0], "checksums": checksums}
+
+    def _asyncrl_replay(self, plan: BucketPlan) -> tuple[LoadPlan | None, dict[str, torch.Tensor]]:
+        """The captured load, if a broadcast in `plan` can replay it (the same names and
+        shapes), and the parameter views that replay receives tensors straight into; worked
+        out once per captured load."""
+        captured = self._asyncrl_plan
+        if captured is None:
+            return None, {}
+        if self._asyncrl_replay_cache is None or self._asyncrl_replay_cache[0] is not captured:
+            specs = plan.specs()
+            fits = captured.specs == {n: shape for n, (shape, _) in specs.items()}
+            destinations = captured.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if fits else {}
+            self._asyncrl_replay_cache = (captured, captured if fits else None, destinations)
+        return self._asyncrl_replay_cache[1], self._asyncrl_replay_cache[2]
 
     def asyncrl_receive_raw(self, sizes: list[int]) -> None:
         """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
