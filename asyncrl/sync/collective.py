@@ -234,14 +234,15 @@ class ReceiveBuffers:
 
 def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: ReceiveBuffers | None = None,
                     destinations: dict[str, torch.Tensor] | None = None,
-                    ) -> Iterator[tuple[str, torch.Tensor, bool, int]]:
-    """Receive the broadcast bucket by bucket and yield (name, tensor, in_place, checksum)
-    in plan order (checksum: the tensor's `byte_checksum`). A bucket holding only a tensor
-    named in `destinations` (contiguous, the plan's dtype and shape) is received straight
-    into that tensor (in_place True); the others into buffers whose views are yielded:
-    fresh ones, or, given `buffers`, reused ones (load or copy each tensor before asking for
-    the next bucket's). Receives are posted ahead of the bucket being handed out, so that
-    the transfer goes on while it is checksummed and loaded."""
+                    ) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool, list[int]]]:
+    """Receive the broadcast bucket by bucket and yield, in plan order, each bucket's
+    (name, tensor) pairs, whether it was received in place, and each tensor's
+    `byte_checksum`. A bucket holding only a tensor named in `destinations` (contiguous, the
+    plan's dtype and shape) is received straight into that tensor (in place); the others
+    into buffers whose views are yielded: fresh ones, or, given `buffers`, reused ones (load
+    or copy a bucket's tensors before asking for the next bucket). Receives are posted ahead
+    of the bucket being handed out, so that the transfer goes on while it is checksummed and
+    loaded."""
     destinations = destinations or {}
     pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
     posted = 0
@@ -269,9 +270,9 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
         post_ahead()
         running_sum = buffers and len(bucket) > 1 and device.type != "cpu"  # see bucket_checksums
         scratch = buffers.checksum_scratch(buffer.numel()) if running_sum else None
-        for slot, checksum in zip(bucket, bucket_checksums(buffer, bucket, scratch)):
-            raw = buffer[slot.offset:slot.offset + slot.nbytes]
-            yield slot.name, raw.view(DTYPES[slot.dtype]).view(slot.shape), in_place, checksum
+        tensors = [(s.name, buffer[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape))
+                   for s in bucket]
+        yield tensors, in_place, bucket_checksums(buffer, bucket, scratch)
 
 
 def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
