@@ -1,8 +1,10 @@
 """`asyncrl serve-env` on loopback through real HTTP: authentication, request limits,
-malformed bodies, unknown envs, and that only registered agent types can be served."""
+malformed bodies, unknown envs, that only registered agent types can be served, and that
+its bodies are the request types a remote agent sends."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -83,7 +85,13 @@ def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
     r = httpx.post(server + "/problems/", content=b"{not json", headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 422 and "JSON decode error" in r.text
     r = httpx.post(server + "/problems/", json={"env_id": "word_problems", "splt": "train"}, headers=AUTH)
-    assert r.status_code == 422 and "splt" in r.text and "Extra inputs are not permitted" in r.text
+    assert r.status_code == 422 and "splt" in r.text and "Unexpected keyword argument" in r.text
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "inference": {**INFERENCE, "key": "k"}},
+                   headers=AUTH)
+    assert r.status_code == 422 and '"inference","key"' in r.text  # nested bodies refuse unknown fields too
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "inference": INFERENCE,
+                                                "sampling": {"max_new_tokens": 0}}, headers=AUTH)
+    assert r.status_code == 422 and "max_new_tokens" in r.text
     r = httpx.post(server + "/grouped_rollouts/", json={"env_id": "word_problems", "group_size": 0,
                                                         "inference": INFERENCE}, headers=AUTH)
     assert r.status_code == 422 and "group_size" in r.text
@@ -108,18 +116,57 @@ def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
     assert httpx.get(server + "/health").status_code == 200  # still serving
 
 
-def test_the_server_bodies_mirror_the_request_types():
-    from dataclasses import fields
+def test_the_server_bodies_are_the_request_types_a_remote_agent_sends():
+    from dataclasses import asdict
+    from types import SimpleNamespace
+    from typing import get_type_hints
 
-    from asyncrl.agents.api import EvaluationRequest, GroupedRolloutRequest, RolloutRequest
-    from asyncrl.agents.server import EvaluationBody, GroupedRolloutsBody, InferenceBody, RolloutsBody, SamplingBody
+    from pydantic import TypeAdapter
+
+    from asyncrl.agents import api
+    from asyncrl.agents.server import create_app
     from asyncrl.engine.inference import Endpoint
     from asyncrl.types import SamplingSpec
 
-    pairs = [(RolloutRequest, RolloutsBody), (GroupedRolloutRequest, GroupedRolloutsBody),
-             (EvaluationRequest, EvaluationBody), (Endpoint, InferenceBody), (SamplingSpec, SamplingBody)]
-    for request, body in pairs:
-        assert {f.name for f in fields(request)} == set(body.model_fields), request.__name__
+    app = create_app(SimpleNamespace(agents={}), TOKEN).app
+    bodies = {r.path: get_type_hints(r.endpoint)["body"] for r in app.routes if r.methods == {"POST"}}
+    assert bodies == {"/problems/": api.ProblemsRequest, "/rollouts/": api.RolloutRequest,
+                      "/grouped_rollouts/": api.GroupedRolloutRequest, "/evaluation/": api.EvaluationRequest}
+
+    # A server fills in the defaults a client builds with (one definition: pass@k is [1, 8] on both sides).
+    for body in bodies.values():
+        given = {"env_id": "e"} if body is api.ProblemsRequest else {"env_id": "e", "inference": INFERENCE}
+        client = body(**{**given, **({"inference": Endpoint(**INFERENCE)} if "inference" in given else {})})
+        assert asdict(TypeAdapter(body).validate_python(given)) == asdict(client), body.__name__
+    assert api.EvaluationRequest("e", Endpoint(**INFERENCE)).pass_k == [1, 8]
+
+    # What a remote agent sends (every field, nested ones included) is what the server reads.
+    sent = api.GroupedRolloutRequest("e", Endpoint(**INFERENCE, model="m", api_key="k"), problem_ids=["p"],
+                                     group_size=4, group_ids=["g"], sampling=SamplingSpec(16, 0.7, 0.9, ["\n"], True))
+    read = TypeAdapter(api.GroupedRolloutRequest).validate_json(httpx.Request("POST", "/", json=asdict(sent)).content)
+    assert asdict(read) == asdict(sent)
+    assert isinstance(read.inference, Endpoint) and isinstance(read.sampling, SamplingSpec)
+
+
+def test_a_remote_agent_is_served_problems_groups_and_a_greedy_only_evaluation(server, monkeypatch):
+    from types import SimpleNamespace
+
+    from asyncrl.agents.remote import RemoteAgent, RemoteParams
+    from asyncrl.config.schema import AgentConfig, Config
+    from asyncrl.engine.inference import Endpoint
+
+    monkeypatch.setenv("ASYNCRL_ENV_TOKEN", TOKEN)
+    remote = RemoteAgent(AgentConfig(env_id="words", type="remote"),
+                         RemoteParams(url=server, remote_env_id="word_problems"), Config())
+    heldout = remote.problems("heldout")
+    assert len(heldout) == 200 and heldout[0].prompt_id.startswith("words:word_problems/")
+    nowhere = SimpleNamespace(endpoint=Endpoint(**INFERENCE))  # the server's loops fail, the requests do not
+    group = asyncio.run(remote.grouped_rollout(remote.problems("train")[0], 2, nowhere))
+    assert [t.status.value for t in group.trajectories] == ["failed", "failed"]
+    # eval.periodic_pass_k=false evaluates with n_samples=0 and eval.pass_k=[1, 8]: no pass@k, not a 422
+    response = asyncio.run(remote.evaluate(heldout[:2], nowhere, 0, 1.0, [1, 8]))
+    assert [r.prompt_id for r in response.results] == [p.prompt_id for p in heldout[:2]]
+    assert not any(m.startswith("pass@") for m in response.metrics())
 
 
 def test_the_server_refuses_to_start_without_a_token_or_with_an_unregistered_type(tmp_path):

@@ -4,7 +4,8 @@ An agent is a source of problems, a reward and the agent loop that turns a probl
 into a trajectory. The trainer never sees it: rollout workers run its loop and score
 with its reward, the driver draws its problems, and evaluation asks it for metrics.
 
-  requests    RolloutRequest, GroupedRolloutRequest, EvaluationRequest   (plain data; JSON for the env server)
+  requests    ProblemsRequest, RolloutRequest, GroupedRolloutRequest, EvaluationRequest   (plain data;
+              the env server's bodies, with their bounds)
   results     a rollout is a `Trajectory` (tokens, logprobs, loss mask, policy versions, reward,
               status, env_id, prompt_id = problem id); grouped rollouts are `TrajectoryGroup`s;
               an evaluation is an `EvaluationResponse` with `metrics()`
@@ -22,7 +23,9 @@ import functools
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import ConfigDict, Field, GetPydanticSchema
 
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.engine.inference import Endpoint, InferenceInterface
@@ -30,47 +33,102 @@ from asyncrl.metrics import pass_at_k
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
 
-SPLITS = ("train", "heldout")
+Split = Literal["train", "heldout"]
+SPLITS: tuple[Split, ...] = get_args(Split)
 
 
-# -- requests (what a remote agent sends the env server; its bodies mirror these) -------------
+# -- requests: what a remote agent sends and, as they are, the env server's request bodies -----
+# The pydantic annotations are the server's validation (FastAPI reads them off these dataclasses);
+# building a request in Python checks nothing.
+
+MAX_ROLLOUTS_PER_REQUEST = 4096
+MAX_SAMPLES_PER_PROBLEM = 1024
+MAX_NEW_TOKENS = 1 << 16
+
+# Unknown fields are refused, in the nested Endpoints and SamplingSpecs too (they have no pydantic
+# config of their own, so they take this one).
+_BODY_CONFIG = ConfigDict(extra="forbid")
+
+
+@dataclass
+class _RequestEndpoint(Endpoint):
+    """An `Endpoint` as a request carries it: only http(s)."""
+
+    base_url: Annotated[str, Field(pattern=r"^https?://")]
+
+
+@dataclass
+class _RequestSampling(SamplingSpec):
+    """A `SamplingSpec` as a request carries it: its fields, bounded."""
+
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+    temperature: Annotated[float, Field(ge=0)] = SamplingSpec.temperature
+    top_p: Annotated[float, Field(gt=0, le=1)] = SamplingSpec.top_p
+
+
+def _validated_as(bounded: type) -> GetPydanticSchema:
+    """Validate a field as `bounded`, a subclass of the field's type that adds bounds (so the
+    declared type stays the plain one, and the value is still an instance of it)."""
+    return GetPydanticSchema(lambda _source, handler: handler(bounded))
+
+
+RequestEndpoint = Annotated[Endpoint, _validated_as(_RequestEndpoint)]
+RequestSampling = Annotated[SamplingSpec, _validated_as(_RequestSampling)]
+
+
+@dataclass
+class ProblemsRequest:
+    """A split's problem ids and prompts (never answers)."""
+
+    __pydantic_config__ = _BODY_CONFIG
+
+    env_id: str
+    split: Split = "train"
+
 
 @dataclass
 class RolloutRequest:
     """One rollout per named train problem (or of the first `num_rollouts`), generated through
     `inference`, sampled with `sampling` (None: the agent's default)."""
 
+    __pydantic_config__ = _BODY_CONFIG
+
     env_id: str
-    inference: Endpoint
+    inference: RequestEndpoint
     problem_ids: list[str] = field(default_factory=list)
-    num_rollouts: int = 1
-    sampling: SamplingSpec | None = None
+    num_rollouts: Annotated[int, Field(ge=1, le=MAX_ROLLOUTS_PER_REQUEST)] = 1
+    sampling: RequestSampling | None = None
 
 
 @dataclass
 class GroupedRolloutRequest:
     """`group_size` rollouts of each named train problem (or of the first `num_groups`)."""
 
+    __pydantic_config__ = _BODY_CONFIG
+
     env_id: str
-    inference: Endpoint
+    inference: RequestEndpoint
     problem_ids: list[str] = field(default_factory=list)
-    num_groups: int = 1
-    group_size: int = 8
+    num_groups: Annotated[int, Field(ge=1, le=MAX_ROLLOUTS_PER_REQUEST)] = 1
+    group_size: Annotated[int, Field(ge=1, le=MAX_SAMPLES_PER_PROBLEM)] = 8
     group_ids: list[str] = field(default_factory=list)  # the caller's ids for the groups; empty: the problem ids
-    sampling: SamplingSpec | None = None
+    sampling: RequestSampling | None = None
 
 
 @dataclass
 class EvaluationRequest:
-    """Greedy plus `n_samples` sampled rollouts of held-out problems; pass@k for each k."""
+    """Greedy plus `n_samples` sampled rollouts of held-out problems; pass@k for each k
+    (the server refuses a k outside [1, max(1, n_samples)])."""
+
+    __pydantic_config__ = _BODY_CONFIG
 
     env_id: str
-    inference: Endpoint
+    inference: RequestEndpoint
     problem_ids: list[str] = field(default_factory=list)  # empty: the first `num_problems` held-out
-    num_problems: int = 0  # 0: the whole held-out split
-    n_samples: int = 8
-    pass_k: list[int] = field(default_factory=lambda: [1, 8])
-    temperature: float = 1.0
+    num_problems: Annotated[int, Field(ge=0)] = 0  # 0: the whole held-out split
+    n_samples: Annotated[int, Field(ge=0, le=MAX_SAMPLES_PER_PROBLEM)] = 8
+    pass_k: list[int] = field(default_factory=lambda: [1, 8])  # eval.pass_k's default, for n_samples=8
+    temperature: Annotated[float, Field(ge=0)] = 1.0
 
 
 # -- results ----------------------------------------------------------------------------

@@ -19,11 +19,21 @@ from typing import Any
 import httpx
 from omegaconf import MISSING
 
-from asyncrl.agents.api import SPLITS, Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest
+from asyncrl.agents.api import (
+    SPLITS,
+    Agent,
+    EvaluationRequest,
+    EvaluationResponse,
+    GroupedRolloutRequest,
+    ProblemsRequest,
+    Split,
+)
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.engine.inference import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, TrajectoryGroup
+
+_Request = ProblemsRequest | GroupedRolloutRequest | EvaluationRequest
 
 
 @dataclass
@@ -55,18 +65,21 @@ class RemoteAgent(Agent):
                               "server's bearer token")
         return {"Authorization": f"Bearer {token}"}
 
-    def _post_sync(self, path: str, body: dict[str, Any]) -> Any:
+    # Requests go out as the api's request dataclasses, which are the server's bodies: the JSON
+    # a client sends and the fields a server accepts are one definition.
+    def _post_sync(self, path: str, request: _Request) -> Any:
         try:
-            r = httpx.post(self.params.url.rstrip("/") + path, json=body, headers=self._headers(),
+            r = httpx.post(self.params.url.rstrip("/") + path, json=asdict(request), headers=self._headers(),
                            timeout=self.params.timeout_s)
         except httpx.HTTPError as e:
             raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
         return self._check(path, r)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, path: str, request: _Request) -> Any:
         try:
             async with httpx.AsyncClient(timeout=self.params.timeout_s) as client:
-                r = await client.post(self.params.url.rstrip("/") + path, json=body, headers=self._headers())
+                r = await client.post(self.params.url.rstrip("/") + path, json=asdict(request),
+                                      headers=self._headers())
         except httpx.HTTPError as e:
             raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
         return self._check(path, r)
@@ -81,8 +94,8 @@ class RemoteAgent(Agent):
     def load_splits(self) -> dict[str, list[Problem]]:
         return {split: self._fetch(split) for split in SPLITS}
 
-    def _fetch(self, split: str) -> list[Problem]:
-        rows = self._post_sync("/problems/", {"env_id": self.remote_env_id, "split": split})["problems"]
+    def _fetch(self, split: Split) -> list[Problem]:
+        rows = self._post_sync("/problems/", ProblemsRequest(self.remote_env_id, split))["problems"]
         # Ids are the server's, prefixed with this env id so that they stay unique in the run.
         return [Problem(prompt_id=f"{self.env_id}:{r['prompt_id']}", task="", question=r["prompt"],
                         prompt=r["prompt"], answer="", env_id=self.env_id) for r in rows]
@@ -104,9 +117,9 @@ class RemoteAgent(Agent):
     async def grouped_rollout(self, problem: Problem, group_size: int, inference: InferenceInterface,
                               group_id: str = "", sampling: SamplingSpec | None = None) -> TrajectoryGroup:
         group_id = group_id or problem.prompt_id
-        out = await self._post("/grouped_rollouts/", asdict(GroupedRolloutRequest(
+        out = await self._post("/grouped_rollouts/", GroupedRolloutRequest(
             self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(problem.prompt_id)],
-            group_size=group_size, group_ids=[group_id], sampling=sampling or self.sampling())))
+            group_size=group_size, group_ids=[group_id], sampling=sampling or self.sampling()))
         group = TrajectoryGroup.from_dict(out["groups"][0])
         group.prompt_id, group.env_id = problem.prompt_id, self.env_id
         for t in group.trajectories:
@@ -119,9 +132,10 @@ class RemoteAgent(Agent):
 
     async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
                        temperature: float, pass_k: list[int]) -> EvaluationResponse:
-        out = await self._post("/evaluation/", asdict(EvaluationRequest(
+        out = await self._post("/evaluation/", EvaluationRequest(
             self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(p.prompt_id) for p in problems],
-            n_samples=n_samples, temperature=temperature, pass_k=list(pass_k))))
+            # a k above n_samples has no pass@k (a local agent's metrics leave it out); the server refuses it
+            n_samples=n_samples, temperature=temperature, pass_k=[k for k in pass_k if k <= n_samples]))
         response = EvaluationResponse.from_dict(out)
         response.env_id = self.env_id
         for r, p in zip(response.results, problems):

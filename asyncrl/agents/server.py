@@ -12,6 +12,8 @@ the tokenizer, `rollout` for sampling). Endpoints (JSON; all but /health need
     POST /rollouts/              {env_id, problem_ids | num_rollouts, inference, sampling?}
     POST /grouped_rollouts/      {env_id, problem_ids | num_groups, group_size, group_ids?, inference, sampling?}
     POST /evaluation/            {env_id, problem_ids | num_problems, n_samples, pass_k, temperature, inference}
+The bodies are the request dataclasses of asyncrl/agents/api.py (`ProblemsRequest`,
+`RolloutRequest`, `GroupedRolloutRequest`, `EvaluationRequest`), which a remote agent sends;
 `inference` is an OpenAI-compatible endpoint ({base_url, model, api_key}) the agents
 generate through. The server binds to 127.0.0.1 unless told otherwise, refuses bodies
 over --max-request-bytes (413), answers a missing token with 401, a wrong one with 403,
@@ -30,13 +32,19 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.agents.api import Agent
+from asyncrl.agents.api import (
+    MAX_ROLLOUTS_PER_REQUEST,
+    Agent,
+    EvaluationRequest,
+    GroupedRolloutRequest,
+    ProblemsRequest,
+    RolloutRequest,
+)
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.engine.inference import Endpoint
@@ -45,60 +53,6 @@ from asyncrl.types import SamplingSpec
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-MAX_ROLLOUTS_PER_REQUEST = 4096
-
-
-# -- request bodies (unknown fields are refused: a typo never passes silently) --------------
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class InferenceBody(_Body):
-    base_url: str = Field(pattern=r"^https?://")
-    model: str = ""
-    api_key: str = ""
-
-
-class SamplingBody(_Body):
-    max_new_tokens: int = Field(ge=1, le=1 << 16)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stop: list[str] = []
-    ignore_eos: bool = False
-
-
-class ProblemsBody(_Body):
-    env_id: str
-    split: Literal["train", "heldout"] = "train"
-
-
-class RolloutsBody(_Body):
-    env_id: str
-    problem_ids: list[str] = []
-    num_rollouts: int = Field(1, ge=1, le=MAX_ROLLOUTS_PER_REQUEST)
-    inference: InferenceBody
-    sampling: SamplingBody | None = None
-
-
-class GroupedRolloutsBody(_Body):
-    env_id: str
-    problem_ids: list[str] = []
-    num_groups: int = Field(1, ge=1, le=MAX_ROLLOUTS_PER_REQUEST)
-    group_size: int = Field(8, ge=1, le=1024)
-    group_ids: list[str] = []
-    inference: InferenceBody
-    sampling: SamplingBody | None = None
-
-
-class EvaluationBody(_Body):
-    env_id: str
-    problem_ids: list[str] = []
-    num_problems: int = Field(0, ge=0)
-    n_samples: int = Field(8, ge=0, le=1024)
-    pass_k: list[int] = [1]
-    temperature: float = Field(1.0, ge=0)
-    inference: InferenceBody
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -161,16 +115,16 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         return agents.agents[env_id]
 
     @contextlib.asynccontextmanager
-    async def inference(a: Agent, body: InferenceBody) -> AsyncIterator[OpenAIInference]:
+    async def inference(a: Agent, endpoint: Endpoint) -> AsyncIterator[OpenAIInference]:
         """The request's inference endpoint, for the request's lifetime."""
-        engine = OpenAIInference(Endpoint(**body.model_dump()), tokenizer=a.tokenizer)
+        engine = OpenAIInference(endpoint, tokenizer=a.tokenizer)
         try:
             yield engine
         finally:
             await engine.aclose()
 
-    def sampling(a: Agent, body: SamplingBody | None) -> SamplingSpec:
-        return SamplingSpec(**body.model_dump()) if body is not None else a.sampling()
+    def sampling(a: Agent, spec: SamplingSpec | None) -> SamplingSpec:
+        return spec if spec is not None else a.sampling()
 
     def problems(a: Agent, split: str, ids: list[str], count: int) -> list:
         try:
@@ -193,12 +147,12 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
                           "type": type(a).__name__} for a in agents.agents.values()]}
 
     @app.post("/problems/", dependencies=[Depends(authorized)])
-    async def list_problems(body: ProblemsBody) -> dict[str, Any]:
+    async def list_problems(body: ProblemsRequest) -> dict[str, Any]:
         return {"problems": [{"prompt_id": p.prompt_id, "prompt": p.prompt}
                              for p in agent(body.env_id).problems(body.split)]}
 
     @app.post("/rollouts/", dependencies=[Depends(authorized)])
-    async def rollouts(body: RolloutsBody) -> dict[str, Any]:
+    async def rollouts(body: RolloutRequest) -> dict[str, Any]:
         a = agent(body.env_id)
         chosen = problems(a, "train", body.problem_ids, body.num_rollouts)
         spec = sampling(a, body.sampling)
@@ -207,7 +161,7 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         return {"rollouts": [t.to_dict() for t in trajs]}
 
     @app.post("/grouped_rollouts/", dependencies=[Depends(authorized)])
-    async def grouped_rollouts(body: GroupedRolloutsBody) -> dict[str, Any]:
+    async def grouped_rollouts(body: GroupedRolloutRequest) -> dict[str, Any]:
         a = agent(body.env_id)
         chosen = problems(a, "train", body.problem_ids, body.num_groups)
         if body.group_ids and len(body.group_ids) != len(chosen):
@@ -222,7 +176,7 @@ def create_app(agents: WeightedMultiTask, token: str, max_request_bytes: int = D
         return {"groups": [g.to_dict() for g in groups]}
 
     @app.post("/evaluation/", dependencies=[Depends(authorized)])
-    async def evaluation(body: EvaluationBody) -> dict[str, Any]:
+    async def evaluation(body: EvaluationRequest) -> dict[str, Any]:
         a = agent(body.env_id)
         bad = [k for k in body.pass_k if not 1 <= k <= max(1, body.n_samples)]
         if bad:
