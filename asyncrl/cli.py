@@ -18,8 +18,8 @@ COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy: `asyncrl eval [CHECKPOINT] recipe=...`"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
-    "serve-env": ("asyncrl.agents.server", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
-    "bench": ("asyncrl.bench", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async`"),
+    "serve-env": ("asyncrl.serve_env", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
+    "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async`"),
 }
 
 

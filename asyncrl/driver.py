@@ -22,20 +22,19 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from asyncrl import actors
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
-from asyncrl.engine.engine_actor import EngineActor, engine_options, engines_stream
-from asyncrl.evaluate import EvalResult, evaluate_with_workers
+from asyncrl.evaluation import EvalResult, evaluate_with_workers
+from asyncrl.messages import QueueState, WorkerStats
 from asyncrl.monitoring.run_log import RunLog
-from asyncrl.queue.message_queue import MessageQueue, message_queue_options
 from asyncrl.rollout.admission import PromptLedger, StalenessController
-from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.batch import group_filter_reason
 from asyncrl.trainer.trainer_group import TrainerGroup
@@ -45,6 +44,26 @@ logger = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (an actor died, an invariant broke); the message says why."""
+
+
+@dataclass
+class RunState:
+    """The driver's own part of a checkpoint (run_state.json; the trainer saves its state, the
+    queue its contents, the ledger its prompts beside it)."""
+
+    step: int
+    version: int
+    samples: int
+    admitted: int
+    problem_stream: dict[str, Any]  # WeightedMultiTask.state()
+    base_eval: EvalResult
+
+    @classmethod
+    def from_json(cls, text: str) -> RunState:
+        d = json.loads(text)
+        base = d.pop("base_eval")
+        base["pass_at_k"] = {int(k): v for k, v in base["pass_at_k"].items()}  # JSON keys are strings
+        return cls(**d, base_eval=EvalResult(**base))
 
 
 class Driver:
@@ -59,7 +78,8 @@ class Driver:
         self.workers: list = []
         self.queue = None
         self.trainer: TrainerGroup | None = None
-        self.placement_group = None
+        self.sync: WeightSync | None = None
+        self.placement = actors.Placement()
         self.base_eval: EvalResult | None = None
         self.final_eval: EvalResult | None = None
         self.log: RunLog | None = None
@@ -75,26 +95,19 @@ class Driver:
         cfg = self.cfg
         self.log = RunLog(cfg, self.run_dir)
         self._start_ray()
-        self.placement_group, slots = self._place()
+        self.placement = actors.place(cfg)
         logger.info("starting %d engine(s), %d rollout worker(s), %d trainer rank(s)", cfg.engine.num_engines,
-                    cfg.rollout.num_workers, len(slots["trainer"]))
-        stream = engines_stream(cfg.algorithm.pause_mode)
-        self.engines = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i), **slots["engine"][i])
-                        .remote(i, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream)
-                        for i in range(cfg.engine.num_engines)]
+                    cfg.rollout.num_workers, actors.trainer_world_size(cfg))
+        self.engines = actors.create_engines(cfg, self.placement.engine)
         engine_start = [e.start.remote() for e in self.engines]
-        self.trainer = TrainerGroup(cfg, slots["trainer"])  # the trainer loads while the engines start
-        trainer_info = self.trainer.setup()
+        self.trainer = actors.create_trainer(cfg, self.placement.trainer)
+        trainer_info = self.trainer.setup()  # the trainer loads while the engines start
         for i, info in enumerate(ray.get(engine_start)):
             logger.info("engine-%d: vLLM started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
-                        info["start_s"], info["rss_gib"], info["cpu_cores"], info["vllm_processes"])
-        a = cfg.algorithm
-        capacity = (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
-        self.queue = ray.remote(MessageQueue).options(**message_queue_options()).remote(capacity)
-        self.workers = [ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, i), **slots["worker"][i])
-                        .remote(i, cfg, self.engines, self.queue) for i in range(cfg.rollout.num_workers)]
-        self.sync = WeightSync(self.trainer, self.engines, "gloo" if cfg.cluster.device == "cpu" else "nccl",
-                               cfg.trainer.dist_timeout_s)
+                        info.start_s, info.rss_gib, info.cpu_cores, info.vllm_processes)
+        self.queue = actors.create_queue(cfg)
+        self.workers = actors.create_rollout_workers(cfg, self.engines, self.queue, self.placement.worker)
+        self.sync = actors.create_weight_sync(cfg, self.trainer, self.engines)
         self.sync.connect()
 
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
@@ -118,38 +131,6 @@ class Driver:
                      include_dashboard=self.cfg.cluster.dashboard, log_to_driver=True)
             self._started_ray = True
 
-    def _place(self) -> tuple[Any, dict[str, list[dict[str, Any]]]]:
-        """One placement group: a bundle per engine, trainer rank and rollout worker."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        cfg = self.cfg
-        gpu = cfg.cluster.device == "cuda"
-        t = cfg.trainer
-        ranks = t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size
-        roles = ([("engine", {"CPU": cfg.engine.num_cpus_per_engine,
-                              **({"GPU": cfg.engine.tensor_parallel_size} if gpu else {})})] * cfg.engine.num_engines
-                 + [("trainer", {"CPU": t.num_cpus_per_rank, **({"GPU": 1} if gpu else {})})] * ranks
-                 + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker})] * cfg.rollout.num_workers)
-        need: dict[str, float] = {}
-        for _, bundle in roles:
-            for k, v in bundle.items():
-                need[k] = need.get(k, 0) + v
-        have = ray.cluster_resources()
-        short = {k: (v, have.get(k, 0)) for k, v in need.items() if v > have.get(k, 0) + 1e-9}
-        if short:
-            raise TrainingError("not enough cluster resources for this config: " + ", ".join(
-                f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
-                + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
-                  "or the number of engines / workers / ranks)")
-        pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
-        ray.get(pg.ready(), timeout=120)
-        slots: dict[str, list[dict[str, Any]]] = {"engine": [], "trainer": [], "worker": []}
-        for i, (role, _) in enumerate(roles):
-            slots[role].append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=i)})
-        return pg, slots
-
     # == train =========================================================================
 
     def train(self) -> None:
@@ -166,8 +147,9 @@ class Driver:
             t_wait = time.monotonic()
             groups, dropped = self._next_batch()
             waited = time.monotonic() - t_wait
-            metrics = self.trainer.call("train_step", groups, self.version)
-            self._check_staleness(metrics)
+            result = self.trainer.train_step(groups, self.version)
+            self._check_staleness(result.staleness_max)
+            metrics: dict[str, Any] = dict(result.metrics)
             for g in groups:
                 reason = group_filter_reason(g, cfg.algorithm.loss)
                 self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
@@ -187,7 +169,7 @@ class Driver:
                 "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
                 "idle/engines": 1 - min(1.0, (busy - last["busy"]) / (elapsed * len(self.engines))),
                 "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
-                **self._rollout_metrics(), **ray.get(self.queue.metrics.remote()),
+                **self._rollout_metrics(), **ray.get(self.queue.stats.remote()).metrics(),
             })
             last = {"time": now, "busy": busy}
             self.train_s = time.monotonic() - started
@@ -218,11 +200,11 @@ class Driver:
                 self.ledger.finish(g.prompt_id, "filtered", "stale")
         return fresh, len(groups) - len(fresh)
 
-    def _check_staleness(self, metrics: dict[str, float]) -> None:
+    def _check_staleness(self, staleness_max: int) -> None:
         eta = self.cfg.algorithm.max_staleness
-        if metrics.get("train/staleness_max", 0) > eta:
-            raise TrainingError(f"invariant broken: a trained token is {metrics['train/staleness_max']:.0f} "
-                                f"versions old, algorithm.max_staleness={eta}")
+        if staleness_max > eta:
+            raise TrainingError(f"invariant broken: a trained token is {staleness_max} versions old, "
+                                f"algorithm.max_staleness={eta}")
 
     def _admit(self) -> None:
         """Start as many new prompts as staleness control allows, spread over the workers."""
@@ -236,20 +218,21 @@ class Driver:
             for p in problems:
                 self.ledger.admit(p.prompt_id)
                 if p.prompt_id in rejected:
-                    self.ledger.finish(p.prompt_id, "failed", rejected[p.prompt_id].split(" ")[0])
+                    self.ledger.finish(p.prompt_id, "failed", rejected[p.prompt_id].code)
             self.staleness.on_admitted(accepted, self.version)
             room = self.staleness.admissible(self.version)
             all_rejected = all_rejected + 1 if accepted == 0 else 0
             if all_rejected == 3:  # the data (or the config) cannot produce a single usable prompt
-                reasons = collections.Counter(r.split(" ")[0] for r in rejected.values())
+                reasons = collections.Counter(f.code for f in rejected.values())
                 raise TrainingError(f"the rollout workers rejected every prompt of 3 admissions in a row "
                                     f"({dict(reasons)}); e.g. {next(iter(rejected.values()), '')}")
 
-    def _rejected_prompts(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for stats in ray.get([w.get_stats.remote() for w in self.workers]):
-            out.update(stats["failed_prompts"])
-        return out
+    def _worker_stats(self) -> list[WorkerStats]:
+        return ray.get([w.get_stats.remote() for w in self.workers])
+
+    def _rejected_prompts(self) -> dict[str, Any]:
+        """prompt id -> Failure, for every row a worker refused."""
+        return {pid: f for stats in self._worker_stats() for pid, f in stats.failed_prompts.items()}
 
     def _sync(self) -> dict[str, float]:
         """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops."""
@@ -258,25 +241,23 @@ class Driver:
             ray.get([w.drain.remote() for w in self.workers])
         if a.pause_mode == "abort":
             ray.get([w.interrupt.remote() for w in self.workers])
-        timings = self.sync.sync(self.version + 1, a.pause_mode)
+        metrics = self.sync.sync(self.version + 1, a.pause_mode).metrics()
         self.version += 1
         if a.pause_mode == "abort":
-            resumed = sum(ray.get([w.resume_interrupted.remote() for w in self.workers]))
-            timings["sync/resumed_loops"] = resumed
-        return timings
+            metrics["sync/resumed_loops"] = sum(ray.get([w.resume_interrupted.remote() for w in self.workers]))
+        return metrics
 
     def _engine_busy(self) -> float:
         return sum(ray.get([e.busy_seconds.remote() for e in self.engines]))
 
     def _rollout_metrics(self) -> dict[str, Any]:
-        stats = ray.get([w.get_stats.remote() for w in self.workers])
+        stats = self._worker_stats()
         keys = ("generated_tokens", "interruptions", "resumes", "trajectories_finished", "running_loops", "snapshots")
-        out = {f"rollout/{k}": sum(s[k] for s in stats) for k in keys}
-        reasons: dict[str, int] = {}
+        out: dict[str, Any] = {f"rollout/{k}": sum(getattr(s, k) for s in stats) for k in keys}
+        failures: collections.Counter[str] = collections.Counter()
         for s in stats:
-            for r, n in s["failure_reasons"].items():
-                reasons[r] = reasons.get(r, 0) + n
-        out["rollout/failures"] = reasons
+            failures.update(s.failures)
+        out["rollout/failures"] = dict(failures)
         return out
 
     def _evaluate(self, with_pass_k: bool) -> EvalResult:
@@ -293,15 +274,15 @@ class Driver:
     # == checkpoints and the end ===========================================================
 
     def save_checkpoint(self) -> str:
-        """Trainer state (megatron dist checkpoint), queue contents, prompt ledger, counters."""
+        """Trainer state (megatron dist checkpoint), queue contents, prompt ledger, the driver's state."""
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        queue_state = ray.get(self.queue.state.remote())
-        extra = {"step": self.step, "version": self.version, "samples": self.samples,
-                 "admitted": self.staleness.admitted, "problem_stream": self.agents.state(),
-                 "base_eval": asdict(self.base_eval)}
-        self.trainer.call("save_checkpoint", str(path), extra)
-        self.trainer.call("export_hf", str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
-        (path / "queue.json").write_text(json.dumps(queue_state))
+        queue_state: QueueState = ray.get(self.queue.state.remote())
+        state = RunState(step=self.step, version=self.version, samples=self.samples,
+                         admitted=self.staleness.admitted, problem_stream=self.agents.state(), base_eval=self.base_eval)
+        self.trainer.save_checkpoint(str(path))
+        self.trainer.export_hf(str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
+        (path / "run_state.json").write_text(json.dumps(asdict(state)))
+        (path / "queue.json").write_text(json.dumps(queue_state.to_dict()))
         (path / "ledger.json").write_text(json.dumps({"states": self.ledger.states,
                                                       "reasons": dict(self.ledger.reasons)}))
         logger.info("checkpoint: %s", path)
@@ -310,30 +291,31 @@ class Driver:
     def _resume(self, path: Path) -> None:
         """Continue a run from `save_checkpoint`'s directory. Prompts that were generating when
         it was saved (neither queued nor finished) start again from their prompt."""
-        extra = self.trainer.call("load_checkpoint", str(path))
-        self.step, self.version, self.samples = extra["step"], extra["version"], extra["samples"]
-        self.staleness.admitted = extra["admitted"]
-        self.agents.restore(extra["problem_stream"])
-        self.base_eval = EvalResult(**extra["base_eval"])
-        queue_state = json.loads((path / "queue.json").read_text())
+        state = RunState.from_json((path / "run_state.json").read_text())
+        trainer_step = self.trainer.load_checkpoint(str(path))
+        if trainer_step != state.step:
+            raise TrainingError(f"{path}: the trainer's state is of step {trainer_step}, the run's of {state.step}")
+        self.step, self.version, self.samples = state.step, state.version, state.samples
+        self.staleness.admitted = state.admitted
+        self.agents.restore(state.problem_stream)
+        self.base_eval = state.base_eval
+        queue_state = QueueState.from_dict(json.loads((path / "queue.json").read_text()))
         ray.get(self.queue.restore.remote(queue_state))
         ledger = json.loads((path / "ledger.json").read_text())
         self.ledger = PromptLedger(ledger["states"], collections.Counter(ledger["reasons"]))
         self.sync.sync(self.version, self.cfg.algorithm.pause_mode)  # the engines get the restored weights
-        queued = {g["prompt_id"] for g in queue_state["groups"]}
+        queued = {g.prompt_id for g in queue_state.groups}
         restart = [self.agents.problem_by_id(p) for p in sorted(self.ledger.running() - queued)]
         if restart:
             ray.get([w.submit.remote(restart[i::len(self.workers)]) for i, w in enumerate(self.workers)])
         logger.info("resumed from %s: step %d, version %d, %d groups queued, %d prompts restarted",
                     path, self.step, self.version, len(queued), len(restart))
 
-
-
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
         self.final_eval = self._evaluate(with_pass_k=True)
         self.log.log(self.step, self._eval_metrics(self.final_eval))
-        export = self.trainer.call("export_hf", str(self.run_dir / "final_policy"))
+        export = self.trainer.export_hf(str(self.run_dir / "final_policy"))
         if self.cfg.trainer.checkpoint_every:
             self.save_checkpoint()
         summary = {
@@ -355,7 +337,7 @@ class Driver:
         # Workers first, then the queue: a group moving from one to the other meanwhile is
         # then seen twice rather than missed (it leaves a worker only once it is queued).
         in_workers = {p for ps in ray.get([w.pending_prompts.remote() for w in self.workers]) for p in ps}
-        in_queue = {g["prompt_id"] for g in ray.get(self.queue.state.remote())["groups"]}
+        in_queue = set(ray.get(self.queue.prompt_ids.remote()))
         unaccounted = running - in_queue - in_workers
         if unaccounted:
             raise TrainingError(f"invariant broken: {len(unaccounted)} running prompts are neither queued nor in "
@@ -389,10 +371,7 @@ class Driver:
                 ray.kill(actor)
             except Exception:  # already gone
                 pass
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.placement_group)
+        actors.remove_placement(self.placement)
         if self._started_ray:
             ray.shutdown()
 

@@ -21,7 +21,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from asyncrl.config import CONF_DIR, validate_or_exit
+from asyncrl.config import CONF_DIR
+from asyncrl.run_config import validate_or_exit
 
 logger = logging.getLogger(__name__)
 

@@ -41,21 +41,22 @@ def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[boo
     `model_in_engine_core[i]` its engine.cpu_model_in_engine_core (default: the config's)."""
     import ray
 
-    from asyncrl.config import load_config
-    from asyncrl.engine.engine_actor import EngineActor, engine_options
+    from asyncrl import actors
+    from asyncrl.run_config import load_config
 
-    cfg = load_config([])
+    cfg = load_config([f"model.path={model_path}"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         streams = stream_outputs or [True] * count
         in_core = model_in_engine_core or [cfg.engine.cpu_model_in_engine_core] * count
-        configs = [replace(cfg.engine, cpu_model_in_engine_core=x) for x in in_core]
-        handles = [ray.remote(EngineActor).options(**engine_options(configs[i], i)).remote(
-            i, str(model_path), "", configs[i], "cpu", streams[i]) for i in range(count)]
-        infos = ray.get([h.start.remote() for h in handles])
-        assert all(info["start_s"] > 0 and info["rss_gib"] > 0 for info in infos)
+        handles = []
+        for i in range(count):  # each engine with its own settings, named engine-<i>
+            one = replace(cfg, engine=replace(cfg.engine, num_engines=1, cpu_model_in_engine_core=in_core[i]))
+            handles.append(actors.create_engine(one, i, stream=streams[i]))
+        infos = actors.start_engines(handles)
+        assert all(info.start_s > 0 and info.rss_gib > 0 for info in infos)
         for info, x in zip(infos, in_core):  # the model in the engine core, or in a worker process of its own
-            assert info["model_in_engine_core"] == x, info
+            assert info.model_in_engine_core == x, info
         yield handles
         ray.get([h.shutdown.remote() for h in handles])
     finally:

@@ -11,7 +11,8 @@ import pytest
 from asyncrl.agents.api import EvaluationResponse, ProblemResult
 from asyncrl.agents.multi_task import WeightedMultiTask, allocate_groups
 from asyncrl.agents.registry import build_agent, build_agents
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError
+from asyncrl.run_config import load_config
 from asyncrl.config.schema import AgentConfig
 
 
@@ -126,7 +127,8 @@ def test_reward_only_agent_gives_problems_reward_and_observations(multi_cfg):
 def test_config_validation_checks_every_agent(multi_cfg):
     from omegaconf import OmegaConf
 
-    from asyncrl.config import compose, validate
+    from asyncrl.config import compose
+    from asyncrl.run_config import validate_config
 
     raw = compose(["recipe=multi_task"])
     raw.agents[1].env_id = "arith"
@@ -135,7 +137,7 @@ def test_config_validation_checks_every_agent(multi_cfg):
     raw.agents[3].params = OmegaConf.create({"source": "file", "path": "/no/such.jsonl", "answer_regex": "(",
                                              "typo_key": 1})
     with pytest.raises(ConfigError) as e:
-        validate(raw)
+        validate_config(raw)
     text = str(e.value)
     assert "agents[1].env_id='arith': duplicate" in text
     assert "agents[2] (retry): agent type 'os.system' is not registered; registered types: dataset, reward_only" \

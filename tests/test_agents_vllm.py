@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.agents.registry import build_agent
-from asyncrl.config import load_config
+from asyncrl.run_config import load_config
 from asyncrl.engine.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import SamplingSpec

@@ -1,15 +1,35 @@
-"""The benchmarks run end to end and end with their JSON line (figures are not asserted)."""
+"""The benchmarks run end to end and end with their JSON line (figures are not asserted);
+their own settings are checked by `asyncrl bench` alone."""
 
 import json
 import os
 
 import pytest
 
+from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_overrides
+from asyncrl.config import ConfigError
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.slow
+
+def test_bench_settings_are_split_from_the_training_overrides_and_checked():
+    bench, rest = split_bench_overrides(["recipe=arith", "bench.rounds=5", "trainer.lr=1e-5", "bench.settle_s=0"])
+    assert rest == ["recipe=arith", "trainer.lr=1e-5"]
+    assert parse_bench_config(bench) == BenchConfig(rounds=5, settle_s=0.0)
+    with pytest.raises(ConfigError) as err:
+        parse_bench_config(["bench.rounds=0", "bench.roundz=3", "bench.train_s=abc"])
+    problems = err.value.problems
+    assert any(p.startswith("bench.roundz=3:") and "valid keys: bench.num_prompts" in p for p in problems)
+    assert any(p.startswith("bench.train_s=abc:") for p in problems)
+    with pytest.raises(ConfigError, match=r"bench.rounds=0: must be >= 1"):
+        parse_bench_config(["bench.rounds=0"])
 
 
+def test_a_bad_bench_setting_exits_2_before_anything_starts(tmp_path):
+    out = run_cli("bench", "rollout", "recipe=arith", "bench.rounds=0", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and "bench.rounds=0: must be >= 1" in out.stderr
+
+
+@pytest.mark.slow
 def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "rollout", "recipe=arith", "bench.num_prompts=4", "bench.n_samples=2",
                   "bench.max_new_tokens=16", "bench.rounds=1", "bench.warmup_rounds=0",
@@ -28,6 +48,7 @@ def test_unknown_benchmark_is_refused(tmp_path):
     assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync,sync-vs-async}" in out.stderr
 
 
+@pytest.mark.slow
 def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "weight-sync", "recipe=arith", "bench.rounds=2", "bench.warmup_rounds=1",
                   "bench.trainer_steps=1", "algorithm.prompts_per_step=4", "bench.max_new_tokens=8", cwd=tmp_path)
@@ -41,6 +62,7 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
     assert len(result["rounds_sync_s"]) == 2 and result["load_path"] == "replay+repack"
 
 
+@pytest.mark.slow
 def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "algorithm.prompts_per_step=4",
                   "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",

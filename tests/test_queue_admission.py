@@ -4,9 +4,11 @@ without Ray: both are plain classes that Ray wraps at the edge."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from asyncrl.messages import QueueState
 from asyncrl.queue.message_queue import MessageQueue
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup
@@ -41,11 +43,11 @@ def test_put_waits_while_full_and_get_waits_for_n():
         assert [g.group_id for g in await asyncio.wait_for(late, 1)] == ["g3"]
         with pytest.raises(asyncio.TimeoutError):
             await q.get(1, timeout_s=0.05)
-        m = q.metrics()
-        assert (m["queue/produced"], m["queue/consumed"], m["queue/size"]) == (4, 4, 0)
+        m = q.stats()
+        assert (m.produced, m.consumed, m.size) == (4, 4, 0)
         # g0 taken at version 2 with tokens of version 0: staleness 2; g1, g2, g3 at version 0: 0, ... g3 -1
-        assert m["queue/staleness_histogram"][2] == 1
-        assert m["queue/producer_wait_s"] > 0.04 and m["queue/consumer_wait_s"] > 0.04
+        assert m.staleness_histogram[2] == 1
+        assert m.producer_wait_s > 0.04 and m.consumer_wait_s > 0.04
     asyncio.run(scenario())
 
 
@@ -55,7 +57,7 @@ def test_queue_state_round_trips_through_a_checkpoint():
         for i in range(3):
             await q.put(group(i))
         await q.get(1)
-        state = q.state()
+        state = QueueState.from_dict(json.loads(json.dumps(q.state().to_dict())))  # as a checkpoint holds it
         restored = MessageQueue(capacity=4, enable_ray_metrics=False)
         await restored.restore(state)
         assert restored.size() == 2 and (restored.produced, restored.consumed) == (3, 1)

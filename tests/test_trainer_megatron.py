@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import load_config
-from asyncrl.trainer.trainer_group import TrainerGroup
+from asyncrl.actors import create_trainer
+from asyncrl.run_config import load_config
 from tests.conftest import BASE_MODEL
 from tests.trainer_data import make_groups
+from tests.trainer_probes import ProbedTrainerRank
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def tokenizer(base_model):
 
 
 def run_trainer(overrides, fn):
-    group = TrainerGroup(load_config(overrides))
+    group = create_trainer(load_config(overrides), rank_class=ProbedTrainerRank)
     try:
         group.setup()
         return fn(group)
@@ -39,7 +40,7 @@ def run_trainer(overrides, fn):
 
 
 def exported_state(group, path) -> dict[str, torch.Tensor]:
-    return load_file(f"{group.call('export_hf', str(path))}/model.safetensors")
+    return load_file(f"{group.export_hf(str(path))}/model.safetensors")
 
 
 def test_export_without_training_is_the_hf_checkpoint_and_logits_match(ray_cluster, base_model, tmp_path):
@@ -68,14 +69,14 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
     overrides = ["trainer.lr=1e-3", "trainer.micro_batch_size=4"]
 
     def train(group):
-        metrics = [group.call("train_step", groups, 0) for groups in steps]
+        metrics = [group.train_step(groups, 0).metrics for groups in steps]
         return metrics, exported_state(group, tmp_path / f"hf{group.world_size}")
 
     m1, w1 = run_trainer(overrides, train)
 
     def train_and_save(group):
         result = train(group)
-        group.call("save_checkpoint", str(tmp_path / "ckpt_tp2"), {"note": "tp2"})
+        group.save_checkpoint(str(tmp_path / "ckpt_tp2"))
         return result
 
     m2, w2 = run_trainer([*overrides, "trainer.tensor_parallel_size=2"], train_and_save)
@@ -94,11 +95,11 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
     assert differs < 1e-3 * moved, (float(differs), float(moved), worst)
 
     def load(group):
-        extra = group.call("load_checkpoint", str(tmp_path / "ckpt_tp2"))
-        return extra, exported_state(group, tmp_path / "hf_loaded")
+        step = group.load_checkpoint(str(tmp_path / "ckpt_tp2"))
+        return step, exported_state(group, tmp_path / "hf_loaded")
 
-    extra, w_loaded = run_trainer(overrides, load)
-    assert extra == {"note": "tp2"}
+    step, w_loaded = run_trainer(overrides, load)
+    assert step == len(steps)
     assert all(torch.equal(w_loaded[k], w2[k]) for k in w2)
 
 
@@ -107,8 +108,8 @@ def test_decoupled_ppo_with_several_updates_clips_against_the_policy_before_the_
     (pi_prox is the policy before the step), so clipping can act; with one update it is exactly 1."""
     groups = make_groups(tokenizer, seed=3)
     base = ["algorithm.loss.type=decoupled_ppo", "trainer.lr=3e-3"]
-    one = run_trainer(base, lambda g: g.call("train_step", groups, 0))
-    two = run_trainer([*base, "trainer.mini_batches_per_step=2"], lambda g: g.call("train_step", groups, 0))
+    one = run_trainer(base, lambda g: g.train_step(groups, 0).metrics)
+    two = run_trainer([*base, "trainer.mini_batches_per_step=2"], lambda g: g.train_step(groups, 0).metrics)
     assert one["train/ratio_max"] == pytest.approx(1.0, abs=1e-5) and one["train/clip_fraction_mean"] == 0
     assert two["train/ratio_max"] > 1.01
 

@@ -10,11 +10,9 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import load_config
-from asyncrl.engine.engine_actor import EngineActor, engine_options
+from asyncrl import actors
+from asyncrl.run_config import load_config
 from asyncrl.sync.collective import BucketPlan
-from asyncrl.sync.weight_sync import WeightSync
-from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.types import SamplingSpec
 from tests.trainer_data import make_groups
 
@@ -34,7 +32,7 @@ def greedy_hf(model, ids):
 
 def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, path):
     """Greedy tokens from the engine (stamped `version`) equal HF's on the trainer's exported weights."""
-    hf = AutoModelForCausalLM.from_pretrained(trainer.call("export_hf", str(path))).eval()
+    hf = AutoModelForCausalLM.from_pretrained(trainer.export_hf(str(path))).eval()
     after = [greedy_engine(engine, x, f"v{version}-{i}") for i, x in enumerate(ids)]
     assert all(r.versions == [version] * len(r.token_ids) for r in after)
     assert [r.token_ids for r in after] == [greedy_hf(hf, x)[:len(r.token_ids)] for x, r in zip(ids, after)]
@@ -60,15 +58,15 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     trainer = None
     try:
-        engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
-            0, str(base_model), "", cfg.engine, "cpu")
-        assert ray.get(engine.start.remote())["plain_weights"] == (not prepack)
-        trainer = TrainerGroup(cfg)
-        info = trainer.setup()
-        assert info["weight_bytes"] > 4_000_000 and info["tp"] == 1
-        sync = WeightSync(trainer, [engine], backend="gloo")
+        (engine,) = actors.create_engines(cfg, stream=True)
+        (info,) = actors.start_engines([engine])
+        assert info.plain_weights == (not prepack)
+        trainer = actors.create_trainer(cfg)
+        setup = trainer.setup()
+        assert setup.weight_bytes > 4_000_000 and setup.tp == 1
+        sync = actors.create_weight_sync(cfg, trainer, [engine])
         sync.connect()
-        plan = BucketPlan.from_wire(trainer.call("weight_plan"))
+        plan = BucketPlan.from_wire(trainer.weight_plan())
         alone_bytes = sum(b[0].nbytes for b in plan.buckets if len(b) == 1)
         assert alone_bytes >= 13 * 128 * 512 * 4 and len(plan.buckets) - 13 >= 4
         ids = [tok.encode(p) for p in PROMPTS]
@@ -79,8 +77,8 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
         generated = [before]
         for version, load_path in enumerate(load_paths, start=1):
             for step in range(3):
-                metrics = trainer.call("train_step", make_groups(tok, seed=10 * version + step), version - 1)
-                assert metrics["train/tokens"] > 0 and metrics["train/grad_norm"] > 0
+                result = trainer.train_step(make_groups(tok, seed=10 * version + step), version - 1)
+                assert result.tokens > 0 and result.metrics["train/grad_norm"] > 0
             spec = SamplingSpec(max_new_tokens=200, ignore_eos=True)
             in_flight = [engine.generate.remote(ids[k % 3], spec, f"flight-{version}-{k}") for k in range(4)]
             time.sleep(0.1)
@@ -93,11 +91,11 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
             else:  # finished after the sync, the later tokens from the new weights
                 assert all(r.finish_reason == "length" and r.versions == sorted(r.versions) for r in flown)
                 assert any(set(r.versions) == {version - 1, version} for r in flown)
-            assert timings["sync/version"] == version and 0 < timings["sync/paused_s"] <= timings["sync/total_s"]
-            assert sync.last_load_paths == [load_path]  # the direct load, not vLLM's reload_weights
+            assert timings.version == version and 0 < timings.paused_s <= timings.total_s
+            assert timings.load_paths == [load_path]  # the direct load, not vLLM's reload_weights
             # On a replay every tensor alone in its bucket arrives in place: 4 layers x (gate, up,
             # down) + the embedding, 128 x 512 floats each, and any small one the plan left alone.
-            assert sync.last_in_place_bytes == [alone_bytes if load_path.startswith("replay") else 0]
+            assert timings.in_place_bytes == [alone_bytes if load_path.startswith("replay") else 0]
             # The engine generates exactly what HF generates from the trainer's exported weights ...
             generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
                                                                   tmp_path / f"hf-{version}"))

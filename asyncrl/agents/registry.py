@@ -19,6 +19,7 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.remote import RemoteAgent
 from asyncrl.agents.reward_only import RewardOnlyAgent
 from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.config.validate import check_data
 
 AGENT_TYPES: dict[str, type[Agent]] = {
     "dataset": DatasetAgent,
@@ -47,6 +48,31 @@ def agent_params(spec: AgentConfig) -> Any:
         raise ValueError(f"params{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
 
 
+def check_registered(cfg: Config) -> list[str]:
+    """The config's names that must be registered: agent loops (rollout.agent_loop and each
+    agent's), agent types and their params (a dataset agent's data settings included)."""
+    from agent_loops import registered_agent_loops
+
+    loops = registered_agent_loops()
+    problems = []
+    if cfg.rollout.agent_loop not in loops:
+        problems.append(f"rollout.agent_loop={cfg.rollout.agent_loop!r}: not a registered agent loop; "
+                        f"registered: {', '.join(loops)}")
+    for i, spec in enumerate(cfg.agents):
+        key = f"agents[{i}]"
+        if spec.agent_loop and spec.agent_loop not in loops:
+            problems.append(f"{key}.agent_loop={spec.agent_loop!r}: not a registered agent loop; "
+                            f"registered: {', '.join(loops)}")
+        try:
+            params = agent_params(spec)
+        except ValueError as e:
+            problems.append(f"{key} ({spec.env_id}): {e}")
+            continue
+        if spec.type == "dataset":
+            problems += check_data(f"{key}.params", params)
+    return problems
+
+
 def build_agent(spec: AgentConfig, cfg: Config) -> Agent:
     params = agent_params(spec)  # first: it rejects an unregistered type
     return AGENT_TYPES[spec.type](spec, params, cfg)
@@ -64,4 +90,5 @@ def build_agents(cfg: Config) -> WeightedMultiTask:
     return WeightedMultiTask(agents, block_size=cfg.algorithm.prompts_per_step, seed=cfg.run.seed)
 
 
-__all__ = ["AGENT_TYPES", "DatasetParams", "agent_params", "agent_specs", "build_agent", "build_agents"]
+__all__ = ["AGENT_TYPES", "DatasetParams", "agent_params", "agent_specs", "build_agent", "build_agents",
+           "check_registered"]

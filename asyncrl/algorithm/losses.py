@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncrl.config.schema import LossConfig
-from asyncrl.config.validate import AGGREGATIONS, LOSS_TYPES
+from asyncrl.config.schema import AGGREGATIONS, LOSS_TYPES, LossConfig
 
 
 @dataclass

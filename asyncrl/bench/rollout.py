@@ -25,19 +25,21 @@ import asyncio
 import gc
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
+from asyncrl import actors
+from asyncrl.bench.config import BenchConfig
 from asyncrl.config import Config
-from asyncrl.engine.engine_actor import EngineActor, engine_options, engines_stream
+from asyncrl.engine.engine_actor import engines_stream
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
-from asyncrl.rollout.worker import RolloutWorker, rollout_worker_options
 from asyncrl.tasks import Problem, TaskSource
 from asyncrl.types import SamplingSpec
 
 
-def bench_sampling(cfg: Config) -> SamplingSpec:
-    return SamplingSpec(max_new_tokens=cfg.bench.max_new_tokens, temperature=cfg.rollout.temperature,
-                        top_p=cfg.rollout.top_p, ignore_eos=cfg.bench.ignore_eos)
+def bench_sampling(cfg: Config, bench: BenchConfig) -> SamplingSpec:
+    return SamplingSpec(max_new_tokens=bench.max_new_tokens, temperature=cfg.rollout.temperature,
+                        top_p=cfg.rollout.top_p, ignore_eos=bench.ignore_eos)
 
 
 class RawVLLM:
@@ -80,13 +82,10 @@ class FrameworkPath:
     """(b): RolloutWorker (Ray actor) -> partial_single_turn -> EngineActor (Ray actor)."""
 
     def __init__(self, cfg: Config, sampling: SamplingSpec, stream: bool):
-        import ray
-
-        self.engine = ray.remote(EngineActor).options(**engine_options(cfg.engine, 0)).remote(
-            0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream)
-        ray.get(self.engine.start.remote())
-        self.worker = ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, 0)).remote(
-            0, cfg, [self.engine], None, None, sampling)
+        one = replace(cfg, engine=replace(cfg.engine, num_engines=1), rollout=replace(cfg.rollout, num_workers=1))
+        (self.engine,) = actors.create_engines(one, stream=stream)
+        actors.start_engines([self.engine])
+        (self.worker,) = actors.create_rollout_workers(one, [self.engine], None, sampling=sampling)
 
     async def run(self, problems: list[Problem], n: int) -> int:
         await self.worker.submit.remote(problems, n)
@@ -97,11 +96,12 @@ class FrameworkPath:
             raise RuntimeError(f"framework path returned {len(groups)} groups for {len(problems)} prompts: {stats}")
         return sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
 
-    async def pause_resume_s(self, cfg: Config, prompt_ids: list[int], mode: str) -> tuple[float, int]:
+    async def pause_resume_s(self, cfg: Config, bench: BenchConfig, prompt_ids: list[int],
+                             mode: str) -> tuple[float, int]:
         """Wall time of pause + resume with `bench.pause_requests` long requests in flight."""
         long = SamplingSpec(max_new_tokens=cfg.engine.max_model_len - len(prompt_ids), ignore_eos=True)
         refs = [self.engine.generate.remote(prompt_ids, long, f"pause-{mode}-{i}")
-                for i in range(cfg.bench.pause_requests)]
+                for i in range(bench.pause_requests)]
         deadline = time.monotonic() + 10
         while await self.engine.num_outstanding.remote() < len(refs) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)  # all submitted ...
@@ -121,25 +121,26 @@ async def _timed(coro) -> tuple[int, float]:
     return tokens, time.monotonic() - t0
 
 
-async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[list[int]]) -> dict[str, Any]:
-    sampling = bench_sampling(cfg)
+async def _rollout_bench(cfg: Config, bench: BenchConfig, problems: list[Problem],
+                         prompt_ids: list[list[int]]) -> dict[str, Any]:
+    sampling = bench_sampling(cfg, bench)
     stream = engines_stream(cfg.algorithm.pause_mode)  # as the driver starts its engines
     raw, framework = RawVLLM(cfg, sampling, stream), FrameworkPath(cfg, sampling, stream)
     try:
-        for w in range(cfg.bench.warmup_rounds):  # untimed: both paths reach their steady state
-            await raw.run(f"warmup{w}", prompt_ids, cfg.bench.n_samples)
-            await framework.run(problems, cfg.bench.n_samples)
+        for w in range(bench.warmup_rounds):  # untimed: both paths reach their steady state
+            await raw.run(f"warmup{w}", prompt_ids, bench.n_samples)
+            await framework.run(problems, bench.n_samples)
         raw_rates, fw_rates = [], []
-        for r in range(cfg.bench.rounds):  # alternate, so that machine noise hits both alike
-            await asyncio.sleep(cfg.bench.settle_s)  # the other engine's polling has stopped
-            tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, cfg.bench.n_samples))
+        for r in range(bench.rounds):  # alternate, so that machine noise hits both alike
+            await asyncio.sleep(bench.settle_s)  # the other engine's polling has stopped
+            tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, bench.n_samples))
             raw_rates.append(tokens / seconds)
-            await asyncio.sleep(cfg.bench.settle_s)
-            tokens, seconds = await _timed(framework.run(problems, cfg.bench.n_samples))
+            await asyncio.sleep(bench.settle_s)
+            tokens, seconds = await _timed(framework.run(problems, bench.n_samples))
             fw_rates.append(tokens / seconds)
             print(f"round {r}: raw vLLM {raw_rates[-1]:.0f} tok/s, framework {fw_rates[-1]:.0f} tok/s", flush=True)
         modes = ("abort", "keep") if stream else ("abort",)
-        pauses = {mode: await framework.pause_resume_s(cfg, prompt_ids[0], mode) for mode in modes}
+        pauses = {mode: await framework.pause_resume_s(cfg, bench, prompt_ids[0], mode) for mode in modes}
     finally:
         raw.shutdown()
     # Rounds are paired (raw then framework, back to back): the median of the per-round
@@ -159,22 +160,22 @@ async def _rollout_bench(cfg: Config, problems: list[Problem], prompt_ids: list[
         "in_flight_at_pause": pauses["abort"][1],
         "rounds_raw_tok_s": [round(x) for x in raw_rates],
         "rounds_framework_tok_s": [round(x) for x in fw_rates],
-        "requests_per_round": len(problems) * cfg.bench.n_samples,
-        "max_new_tokens": cfg.bench.max_new_tokens,
-        "ignore_eos": cfg.bench.ignore_eos,
+        "requests_per_round": len(problems) * bench.n_samples,
+        "max_new_tokens": bench.max_new_tokens,
+        "ignore_eos": bench.ignore_eos,
         "concurrency": cfg.rollout.max_concurrent_loops,
-        "warmup_rounds": cfg.bench.warmup_rounds,
+        "warmup_rounds": bench.warmup_rounds,
     }
 
 
-def run_rollout_bench(cfg: Config) -> dict[str, Any]:
+def run_rollout_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     import ray
     from transformers import AutoTokenizer
 
-    problems = TaskSource(cfg.data).heldout[: cfg.bench.num_prompts]
+    problems = TaskSource(cfg.data).heldout[: bench.num_prompts]
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        return asyncio.run(_rollout_bench(cfg, problems, [tok.encode(p.prompt) for p in problems]))
+        return asyncio.run(_rollout_bench(cfg, bench, problems, [tok.encode(p.prompt) for p in problems]))
     finally:
         ray.shutdown()

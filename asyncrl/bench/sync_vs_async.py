@@ -25,18 +25,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from asyncrl.bench.config import BenchConfig
 from asyncrl.config import Config
 from asyncrl.monitoring.run_log import read_metrics
 
 
-def _mode_config(cfg: Config, mode: str, run_dir: Path) -> Config:
+def _mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> Config:
     algorithm, engine, rollout, trainer = cfg.algorithm, cfg.engine, cfg.rollout, cfg.trainer
     if mode == "sync":
         algorithm = replace(algorithm, max_staleness=0, partial_rollout=False)
         engine, rollout, trainer = (replace(x, cpu_cores="") for x in (engine, rollout, trainer))
     return replace(
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
-        run=replace(cfg.run, output_dir=str(run_dir), max_train_s=cfg.bench.train_s, resume_from=""),
+        run=replace(cfg.run, output_dir=str(run_dir), max_train_s=bench.train_s, resume_from=""),
         trainer=replace(trainer, total_steps=max(trainer.total_steps, 100_000), checkpoint_every=0),
         eval=replace(cfg.eval, every_steps=0),
         logging=replace(cfg.logging, progress_bar=False))
@@ -48,17 +49,17 @@ def _idle(run_dir: Path) -> dict[str, float]:
     return {k: sum(r[f"idle/{k}"] * r["throughput/step_s"] for r in steps) / total for k in ("trainer", "engines")}
 
 
-def run_sync_vs_async_bench(cfg: Config) -> dict[str, Any]:
+def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
     from asyncrl.driver import run_training
 
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
-    for r in range(cfg.bench.repeats):
+    for r in range(bench.repeats):
         for mode in ("sync", "async"):
-            run_dir = root / (mode if cfg.bench.repeats == 1 else f"{mode}{r}")
-            summary = run_training(_mode_config(cfg, mode, run_dir), run_dir)
+            run_dir = root / (mode if bench.repeats == 1 else f"{mode}{r}")
+            summary = run_training(_mode_config(cfg, bench, mode, run_dir), run_dir)
             runs[mode].append({**summary, **_idle(run_dir), "samples_per_s": summary["samples"] / summary["train_s"]})
 
     def median(mode: str, key: str) -> float:
@@ -69,7 +70,7 @@ def run_sync_vs_async_bench(cfg: Config) -> dict[str, Any]:
 
     pairs = [a["samples_per_s"] / s["samples_per_s"] for s, a in zip(runs["sync"], runs["async"])]
     return {
-        "bench": "sync_vs_async", "recipe": cfg.recipe.name, "train_s": cfg.bench.train_s,
+        "bench": "sync_vs_async", "recipe": cfg.recipe.name, "train_s": bench.train_s,
         "sync_samples_per_s": median("sync", "samples_per_s"), "async_samples_per_s": median("async", "samples_per_s"),
         "speedup": statistics.median(pairs),
         "async_trainer_idle": median("async", "trainer"), "async_engine_idle": median("async", "engines"),
@@ -77,7 +78,7 @@ def run_sync_vs_async_bench(cfg: Config) -> dict[str, Any]:
         "sync_accuracy": mean("sync", "final_accuracy"), "async_accuracy": mean("async", "final_accuracy"),
         "base_accuracy": runs["sync"][0]["base_accuracy"],
         "sync_steps": median("sync", "steps"), "async_steps": median("async", "steps"),
-        "async_max_staleness": cfg.algorithm.max_staleness, "repeats": cfg.bench.repeats,
+        "async_max_staleness": cfg.algorithm.max_staleness, "repeats": bench.repeats,
         "pair_speedups": [round(x, 3) for x in pairs],
         "async_cpu_cores": {k: getattr(cfg, k).cpu_cores for k in ("engine", "rollout", "trainer")},
         "runs": str(root),

@@ -28,14 +28,24 @@ import statistics
 import time
 from typing import Any
 
+import ray
+
+from asyncrl import actors
+from asyncrl.bench.config import BenchConfig
+from asyncrl.bench.raw_broadcast import RawBroadcast
 from asyncrl.config import Config
+from asyncrl.engine.engine_actor import EngineActor
+from asyncrl.sync.collective import raw_sizes
+from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
 
-def synthetic_groups(cfg: Config, prompts: list[list[int]], vocab: int, seed: int) -> list[TrajectoryGroup]:
+def synthetic_groups(cfg: Config, length: int, prompts: list[list[int]], vocab: int,
+                     seed: int) -> list[TrajectoryGroup]:
     """One step's worth of groups: real prompts, uniformly sampled response tokens, alternating rewards."""
     rng = random.Random(seed)
-    n, length = cfg.algorithm.n_samples_per_prompt, cfg.bench.max_new_tokens
+    n = cfg.algorithm.n_samples_per_prompt
     groups = []
     for g in range(cfg.algorithm.prompts_per_step):
         gid = f"bench-{seed}-{g}"
@@ -47,40 +57,60 @@ def synthetic_groups(cfg: Config, prompts: list[list[int]], vocab: int, seed: in
     return groups
 
 
-def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
-    import ray
+class RawBroadcastRank(TrainerRank):
+    """A trainer rank that can also broadcast raw buffers through the weight-sync group (rank 0)."""
+
+    def broadcast_raw(self, sizes: list[int]) -> None:
+        if self.rank == 0:
+            if not hasattr(self, "_raw"):
+                self._raw = RawBroadcast(self.device)
+            self._raw.run(self._weight_group, sizes)
+
+
+class RawReceiveEngine(EngineActor):
+    """An engine whose vLLM workers can also receive raw buffers (asyncrl.bench.raw_broadcast)."""
+
+    worker_extension = "asyncrl.bench.raw_broadcast.RawReceiveExtension"
+
+    async def receive_raw(self, sizes: list[int]) -> None:
+        await self._llm.collective_rpc("asyncrl_receive_raw", args=(sizes,))
+
+
+def raw_broadcast_s(sync: WeightSync, sizes: list[int]) -> float:
+    """Buffers of these sizes through the sync's group, with no model on either side, timed
+    as `WeightSync.sync` is (from the driver's calls to the last reply)."""
+    t0 = time.monotonic()
+    ray.get([r.broadcast_raw.remote(sizes) for r in sync.trainer.ranks]
+            + [e.receive_raw.remote(sizes) for e in sync.engines])
+    return time.monotonic() - t0
+
+
+def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from asyncrl.engine.engine_actor import EngineActor, engine_options
-    from asyncrl.sync.collective import raw_sizes
-    from asyncrl.sync.weight_sync import WeightSync
     from asyncrl.tasks import TaskSource
-    from asyncrl.trainer.trainer_group import TrainerGroup
 
     ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
     trainer = None
     try:
-        engines = [ray.remote(EngineActor).options(**engine_options(cfg.engine, i)).remote(
-            i, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device)
-            for i in range(cfg.engine.num_engines)]
-        ray.get([e.start.remote() for e in engines])
-        trainer = TrainerGroup(cfg)
+        engines = actors.create_engines(cfg, engine_class=RawReceiveEngine)
+        actors.start_engines(engines)
+        trainer = actors.create_trainer(cfg, rank_class=RawBroadcastRank)
         info = trainer.setup()
-        sync = WeightSync(trainer, engines, backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
-                          timeout_s=cfg.trainer.dist_timeout_s)
+        sync = actors.create_weight_sync(cfg, trainer, engines)
         sync.connect()
 
         sync_s, raw_s, raw_plan_s, phases = [], [], [], []
         chunks = raw_sizes(sync.plan.total_bytes, int(cfg.trainer.weight_sync_bucket_mb * 2**20))
         plan_sizes = [sync.plan.bucket_nbytes(i) for i in range(len(sync.plan.buckets))]
         version = 0
-        for r in range(cfg.bench.warmup_rounds + cfg.bench.rounds):
+        for r in range(bench.warmup_rounds + bench.rounds):
             version += 1
             timings = sync.sync(version, cfg.algorithm.pause_mode)
-            raw = sync.raw_broadcast(chunks)
-            raw_plan = sync.raw_broadcast(plan_sizes)
-            if r >= cfg.bench.warmup_rounds:
-                sync_s.append(timings["sync/total_s"])
+            raw = raw_broadcast_s(sync, chunks)
+            raw_plan = raw_broadcast_s(sync, plan_sizes)
+            if r >= bench.warmup_rounds:
+                sync_s.append(timings.total_s)
                 raw_s.append(raw)
                 raw_plan_s.append(raw_plan)
                 phases.append(timings)
@@ -89,11 +119,11 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
         vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
         prompts = [tok.encode(p.prompt) for p in TaskSource(cfg.data).heldout[: cfg.algorithm.prompts_per_step]]
         rates = []
-        for step in range(cfg.bench.trainer_steps + 1):  # the first step warms up
-            groups = synthetic_groups(cfg, prompts, vocab, step)
+        for step in range(bench.trainer_steps + 1):  # the first step warms up
+            groups = synthetic_groups(cfg, bench.max_new_tokens, prompts, vocab, step)
             tokens = sum(len(t.prompt_token_ids) + t.num_response_tokens for g in groups for t in g.trajectories)
             t0 = time.monotonic()
-            trainer.call("train_step", groups, version)
+            trainer.train_step(groups, version)
             if step:
                 rates.append(tokens / (time.monotonic() - t0))
     finally:
@@ -103,26 +133,26 @@ def run_weight_sync_bench(cfg: Config) -> dict[str, Any]:
     med = statistics.median
     return {
         "bench": "weight_sync",
-        "bytes": info["weight_bytes"],
+        "bytes": info.weight_bytes,
         "sync_s": med(sync_s),
         "raw_broadcast_s": med(raw_s),
         "raw_plan_broadcast_s": med(raw_plan_s),
         "ratio": med(r / s for r, s in zip(raw_s, sync_s)),
-        "paused_s": med(p["sync/paused_s"] for p in phases),
-        "stage_s": med(p["sync/stage_s"] for p in phases),
-        "pause_s": med(p["sync/pause_s"] for p in phases),
-        "broadcast_load_s": med(p["sync/broadcast_load_s"] for p in phases),
-        "load_s": med(p["sync/load_s"] for p in phases),
-        "resume_s": med(p["sync/resume_s"] for p in phases),
-        "load_path": ",".join(sorted(set(sync.last_load_paths))),  # see WeightLoaderExtension._asyncrl_direct_load
-        "in_place_bytes": min(sync.last_in_place_bytes),  # received straight into parameters (no copy)
-        "buckets": info["weight_buckets"],
+        "paused_s": med(p.paused_s for p in phases),
+        "stage_s": med(p.stage_s for p in phases),
+        "pause_s": med(p.pause_s for p in phases),
+        "broadcast_load_s": med(p.broadcast_load_s for p in phases),
+        "load_s": med(p.load_s for p in phases),
+        "resume_s": med(p.resume_s for p in phases),
+        "load_path": ",".join(sorted(set(phases[-1].load_paths))),  # see WeightLoaderExtension._asyncrl_direct_load
+        "in_place_bytes": min(phases[-1].in_place_bytes),  # received straight into parameters (no copy)
+        "buckets": info.weight_buckets,
         "raw_buffers": len(chunks),
         "bucket_mb": cfg.trainer.weight_sync_bucket_mb,
         "engines": cfg.engine.num_engines,
         "trainer_ranks": trainer.world_size,
         "trainer_tokens_s": med(rates),
-        "rounds": cfg.bench.rounds,
+        "rounds": bench.rounds,
         "rounds_sync_s": [round(x, 4) for x in sync_s],
         "rounds_raw_s": [round(x, 4) for x in raw_s],
     }

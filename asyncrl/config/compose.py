@@ -14,7 +14,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.config.schema import Config
-from asyncrl.config.validate import validate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
@@ -33,17 +32,3 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     """The composed config for these command-line style overrides (e.g. ["recipe=arith"])."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
-
-
-def load_config_file(path: str, overrides: list[str] | None = None) -> Config:
-    """A recipe-style YAML file (any sections) over the defaults, then `key=value` overrides;
-    validated. For commands that take `--config FILE` (asyncrl serve-env)."""
-    if not Path(path).is_file():
-        raise OSError(f"config file {path!r} not found")
-    merged = OmegaConf.merge(compose([]), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
-    return validate(merged)
-
-
-def load_config(overrides: list[str] | None = None) -> Config:
-    """Compose and validate: the typed config, or a `ConfigError` naming every bad value."""
-    return validate(compose(overrides))

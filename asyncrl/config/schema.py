@@ -13,6 +13,20 @@ from typing import Any
 
 from omegaconf import MISSING
 
+# The choices of the string-valued settings (validate.py checks them; the code that
+# acts on a setting imports its choices from here).
+ENGINE_BACKENDS = ("vllm",)
+TRAINER_BACKENDS = ("megatron",)
+DEVICES = ("cpu", "cuda")
+DATA_SOURCES = ("reasoning_gym", "file")
+LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
+PAUSE_MODES = ("abort", "keep")
+AGGREGATIONS = ("token", "sequence")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+WANDB_MODES = ("offline", "online", "disabled")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 @dataclass
 class RunConfig:
@@ -236,27 +250,6 @@ class EvalConfig:
 
 
 @dataclass
-class BenchConfig:
-    """`asyncrl bench ...` settings."""
-
-    num_prompts: int = 64
-    n_samples: int = 8
-    max_new_tokens: int = 64
-    ignore_eos: bool = True  # every request generates exactly max_new_tokens: equal work on both paths
-    pause_requests: int = 64  # requests in flight when pause/resume is timed
-    rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
-    # Untimed full rounds first: the first round through fresh Ray actors runs slower.
-    warmup_rounds: int = 1
-    # Pause before each timed rollout round: vLLM's processes keep polling for 1 s after their
-    # last request, and the idle engine's polling would take CPU from the other path's round.
-    settle_s: float = 1.5
-    trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
-    # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
-    train_s: float = 180.0
-    repeats: int = 1  # sync-vs-async bench: (sync, async) pairs run one after the other
-
-
-@dataclass
 class RecipeConfig:
     name: str = MISSING
     description: str = ""
@@ -280,4 +273,3 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)

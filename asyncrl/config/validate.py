@@ -10,27 +10,28 @@ from __future__ import annotations
 import os
 import re
 import string
-import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import (
+    AGGREGATIONS,
+    DATA_SOURCES,
+    DEVICES,
+    DTYPES,
+    ENGINE_BACKENDS,
+    LOG_LEVELS,
+    LOSS_TYPES,
+    LR_SCHEDULES,
+    PAUSE_MODES,
+    TRAINER_BACKENDS,
+    WANDB_MODES,
+    Config,
+)
 from asyncrl.cpu_cores import parse_cores
-
-ENGINE_BACKENDS = ("vllm",)
-TRAINER_BACKENDS = ("megatron",)
-DEVICES = ("cpu", "cuda")
-DATA_SOURCES = ("reasoning_gym", "file")
-LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
-PAUSE_MODES = ("abort", "keep")
-AGGREGATIONS = ("token", "sequence")
-LR_SCHEDULES = ("constant", "cosine")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-WANDB_MODES = ("offline", "online", "disabled")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class ConfigError(ValueError):
@@ -42,16 +43,46 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
 
 
-def validate(cfg: DictConfig | dict[str, Any]) -> Config:
-    """Check a composed config and return it as a typed `Config`; raise `ConfigError` if invalid."""
+# A further check of a typed config (e.g. names against a registry above the config): its problems.
+Check = Callable[[Config], list[str]]
+
+
+def validate(cfg: DictConfig | dict[str, Any], checks: Sequence[Check] = ()) -> Config:
+    """Check a composed config and return it as a typed `Config`; raise `ConfigError` if invalid.
+    `checks` add problems the schema cannot see (asyncrl.run_config passes the registries')."""
     problems: list[str] = []
     typed = _merge_into_schema(cfg, problems)
     if typed is None:
         raise ConfigError(problems)
     _check_values(typed, problems)
+    for check in checks:
+        problems += check(typed)
     if problems:
         raise ConfigError(problems)
     return typed
+
+
+def _checkers(problems: list[str]) -> tuple[Callable, Callable, Callable]:
+    """need(ok, key, value, valid), at_least(key, value, low, why), one_of(key, value, choices):
+    each appends one problem naming the key, the value and what would be valid."""
+    def need(ok: bool, key: str, value: Any, valid: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {valid}")
+
+    def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
+        need(value in choices, key, value, f"must be one of {', '.join(choices)}")
+
+    def at_least(key: str, value: float, low: float, why: str = "") -> None:
+        need(value >= low, key, value, f"must be >= {low}" + (f" ({why})" if why else ""))
+
+    return need, at_least, one_of
+
+
+def check_data(key: str, data: Any) -> list[str]:
+    """A dataset agent's data settings (a DataConfig: the `data` section, or an agent's params)."""
+    problems: list[str] = []
+    _check_data(key, data, *_checkers(problems))
+    return problems
 
 
 def _merge_into_schema(cfg: DictConfig | dict[str, Any], problems: list[str]) -> Config | None:
@@ -88,20 +119,11 @@ def _describe_omegaconf_error(e: OmegaConfBaseException, section: str) -> str:
 
 
 def _check_values(c: Config, problems: list[str]) -> None:
-    def need(ok: bool, key: str, value: Any, valid: str) -> None:
-        if not ok:
-            problems.append(f"{key}={value!r}: {valid}")
-
-    def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
-        need(value in choices, key, value, f"must be one of {', '.join(choices)}")
-
-    def at_least(key: str, value: float, low: float, why: str = "") -> None:
-        need(value >= low, key, value, f"must be >= {low}" + (f" ({why})" if why else ""))
+    need, at_least, one_of = _checkers(problems)
 
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    at_least("bench.train_s", c.bench.train_s, 1)
     if c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
         problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
                         "(expected RUN_DIR/checkpoints/step_N with trainer_state.pt)")
@@ -110,7 +132,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
 
     # data: the `agents`, or the one dataset agent the `data` section makes
     if c.agents:
-        _check_agents(c, need, at_least, one_of, problems)
+        _check_agents(c, need, at_least)
     else:
         _check_data("data", c.data, need, at_least, one_of)
 
@@ -179,10 +201,6 @@ def _check_values(c: Config, problems: list[str]) -> None:
     r = c.rollout
     at_least("rollout.num_workers", r.num_workers, 1)
     at_least("rollout.max_concurrent_loops", r.max_concurrent_loops, 1)
-    from agent_loops import registered_agent_loops  # here: agent_loops sits above the config
-
-    need(r.agent_loop in registered_agent_loops(), "rollout.agent_loop", r.agent_loop,
-         f"not a registered agent loop; registered: {', '.join(registered_agent_loops())}")
     at_least("rollout.max_new_tokens", r.max_new_tokens, 1)
     need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 for RL sampling")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
@@ -202,10 +220,6 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for i, k in enumerate(c.eval.pass_k):
         need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
     at_least("eval.temperature", c.eval.temperature, 0)
-    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps", "repeats"):
-        at_least(f"bench.{name}", getattr(c.bench, name), 1)
-    at_least("bench.warmup_rounds", c.bench.warmup_rounds, 0)
-    at_least("bench.settle_s", c.bench.settle_s, 0)
 
 
 def _check_cores(key: str, spec: str, cluster_address: str, problems: list[str]) -> None:
@@ -257,11 +271,9 @@ def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None
              "must contain the placeholder {question} and no other")
 
 
-def _check_agents(c: Config, need: Any, at_least: Any, one_of: Any, problems: list[str]) -> None:
-    from agent_loops import registered_agent_loops
-    from asyncrl.agents.registry import agent_params  # here: the agents import the config schema
-
-    loops = registered_agent_loops()
+def _check_agents(c: Config, need: Any, at_least: Any) -> None:
+    """What the schema can check of the `agents` list; their types, params and loops are checked
+    against the registries (asyncrl.agents.registry.check_registered)."""
     seen: set[str] = set()
     for i, spec in enumerate(c.agents):
         key = f"agents[{i}]"
@@ -270,15 +282,6 @@ def _check_agents(c: Config, need: Any, at_least: Any, one_of: Any, problems: li
              spec.env_id, "must be a non-empty name without '/' or ':'")
         seen.add(spec.env_id)
         at_least(f"{key}.weight", spec.weight, 0, "0: evaluation only")
-        need(not spec.agent_loop or spec.agent_loop in loops, f"{key}.agent_loop", spec.agent_loop,
-             f"not a registered agent loop; registered: {', '.join(loops)}")
-        try:
-            params = agent_params(spec)
-        except ValueError as e:
-            problems.append(f"{key} ({spec.env_id}): {e}")
-            continue
-        if spec.type == "dataset":
-            _check_data(f"{key}.params", params, need, at_least, one_of)
     weighted = [s for s in c.agents if s.weight > 0]
     need(bool(weighted), "agents[*].weight", [s.weight for s in c.agents],
          "at least one agent needs a weight > 0 (weight 0: evaluation only)")
@@ -305,12 +308,3 @@ def _reasoning_gym_task_names() -> set[str]:
     import reasoning_gym.factory  # imported here: it takes ~1 s and only validation needs it
 
     return set(reasoning_gym.factory.DATASETS)
-
-
-def validate_or_exit(cfg: DictConfig) -> Config:
-    """For CLI entry points: the typed config, or the problems on stderr and exit status 2."""
-    try:
-        return validate(cfg)
-    except ConfigError as e:
-        print(f"asyncrl: {e}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -34,7 +34,6 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import safetensors.torch
@@ -43,7 +42,9 @@ import torch
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.engine.channel import ChannelAddress, ChannelServer
+from asyncrl.engine.vllm_compat import max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
+from asyncrl.messages import EngineStartInfo, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
 
@@ -53,7 +54,6 @@ PAUSE_MODES = ("abort", "keep")
 # An aborted request delivers its final output within milliseconds; one still outstanding
 # after this long is queued behind the pause inside vLLM and is aborted by the actor.
 ABORT_GRACE_S = 0.1
-WORKER_EXTENSION = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
 _TIED_OPTIONAL = {"lm_head.weight"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -67,6 +67,10 @@ def engines_stream(pause_mode: str) -> bool:
 class EngineActor:
     """One vLLM replica. Receives token ids and sampling settings; returns tokens, their
     logprobs and policy versions. Paused, reloaded and resumed by the driver."""
+
+    # The methods mixed into every vLLM worker (called by name through collective_rpc);
+    # a subclass may name a subclass of it (the weight-sync benchmark's raw receive).
+    worker_extension = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
                  stream_outputs: bool = True):
@@ -93,7 +97,7 @@ class EngineActor:
 
     # -- lifecycle ---------------------------------------------------------------
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self) -> EngineStartInfo:
         """Start vLLM; returns (and logs) the start time, resident memory, the cores its processes
         may run on, vLLM's processes and whether the model runs in the engine core."""
         t0 = time.monotonic()
@@ -103,11 +107,11 @@ class EngineActor:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
-        args = AsyncEngineArgs(**kwargs, worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True)
+        args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
         # One batch at a time (no async scheduling, no pipeline stages): nothing is in flight
         # between steps, so the core's abort pause completes as soon as it is handled.
-        self._pause_is_immediate = self._llm.vllm_config.max_concurrent_batches == 1
+        self._pause_is_immediate = max_concurrent_batches(self._llm) == 1
         plain = False
         if self.device == "cpu" and not self.cfg.cpu_prepack_weights:
             plain = all(await self._llm.collective_rpc("asyncrl_use_plain_weights", args=(self.model_path,)))
@@ -116,11 +120,11 @@ class EngineActor:
                                "(nothing packed, or quantized layers: vLLM's own load path)", self.engine_id)
         tree = _tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
-        info = {"start_s": time.monotonic() - t0, "rss_gib": _tree_rss_gib(tree), "cpu_cores": _tree_cores(tree),
-                "vllm_processes": _vllm_processes(tree), "model_in_engine_core": parents == [os.getpid()],
-                "plain_weights": plain}
+        info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=_tree_rss_gib(tree), cpu_cores=_tree_cores(tree),
+                               vllm_processes=_vllm_processes(tree), model_in_engine_core=parents == [os.getpid()],
+                               plain_weights=plain)
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
-                    info["start_s"], info["rss_gib"], kwargs["dtype"], self.device, info["cpu_cores"])
+                    info.start_s, info.rss_gib, kwargs["dtype"], self.device, info.cpu_cores)
         return info
 
     async def open_channel(self) -> ChannelAddress:
@@ -216,8 +220,7 @@ class EngineActor:
         # `keep` must keep it for the frozen requests to continue.
         # The engine core's pause directly: AsyncLLM.pause_generation adds a fixed 20 ms sleep
         # for output ordering, which _drain_aborted already provides.
-        return asyncio.ensure_future(
-            self._llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=(mode == "abort")))
+        return asyncio.ensure_future(pause_scheduler(self._llm, mode, clear_cache=(mode == "abort")))
 
     async def _drain_aborted(self, mode: str, t0: float) -> None:
         """`abort`: wait until the aborted streams delivered their final outputs. A request
@@ -257,7 +260,7 @@ class EngineActor:
                                        args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s))
         self._joined = True
 
-    async def update_weights(self, version: int, pause_mode: str = "abort") -> dict[str, Any]:
+    async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:
         """pause -> receive the trainer's broadcast into every worker and load it -> become
         `version` -> resume, in one call, so that the pause lasts no longer than the
         transfer and the load. Returns each phase's seconds (`paused_s`: the time this
@@ -298,16 +301,12 @@ class EngineActor:
         checksums = results[0]["checksums"]
         if any(r["checksums"] != checksums for r in results[1:]):
             raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
-        return {"pause_s": t1 - t0, "broadcast_load_s": t2 - t1, "receive_s": results[0]["receive_s"],
-                "load_s": results[0]["load_s"], "load_path": results[0]["load_path"],
-                "in_place_bytes": results[0]["in_place_bytes"], "resume_s": t3 - t2,
-                "paused_s": t3 - t0, "checksums": checksums}
-
-    async def receive_raw(self, sizes: list[int]) -> float:
-        """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
-        t0 = time.monotonic()
-        await self._llm.collective_rpc("asyncrl_receive_raw", args=(sizes,))
-        return time.monotonic() - t0
+        # The workers answer through vLLM's RPC, which carries plain dicts (asyncrl_receive_weights).
+        first = results[0]
+        return WeightUpdateReport(pause_s=t1 - t0, broadcast_load_s=t2 - t1, receive_s=first["receive_s"],
+                                  load_s=first["load_s"], resume_s=t3 - t2, paused_s=t3 - t0,
+                                  load_path=first["load_path"], in_place_bytes=first["in_place_bytes"],
+                                  checksums=checksums)
 
     def _check_specs(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Refuse names or shapes that differ from the checkpoint: a failed reload kills vLLM."""
@@ -389,8 +388,3 @@ def _tree_cores(tree: list[psutil.Process]) -> list[int]:
         except (psutil.NoSuchProcess, ProcessLookupError):
             pass
     return sorted(cores)
-
-
-def engine_options(engine: EngineConfig, engine_id: int) -> dict[str, Any]:
-    """Ray actor options for one engine: named for the dashboard, sized by config."""
-    return {"name": f"engine-{engine_id}", "num_cpus": engine.num_cpus_per_engine, "max_concurrency": 10_000}

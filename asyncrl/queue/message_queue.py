@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any
 
+from asyncrl.messages import QueueState, QueueStats
 from asyncrl.types import TrajectoryGroup
 
 
@@ -71,24 +71,21 @@ class MessageQueue:
         if self._gauges is not None:
             self._gauges.set({**values, "asyncrl_queue_size": len(self._items)})
 
-    def metrics(self) -> dict[str, Any]:
-        return {"queue/size": len(self._items), "queue/capacity": self.capacity, "queue/produced": self.produced,
-                "queue/consumed": self.consumed, "queue/producer_wait_s": self.producer_wait_s,
-                "queue/consumer_wait_s": self.consumer_wait_s,
-                "queue/staleness_histogram": dict(sorted(self.staleness_histogram.items()))}
+    def stats(self) -> QueueStats:
+        return QueueStats(len(self._items), self.capacity, self.produced, self.consumed, self.producer_wait_s,
+                          self.consumer_wait_s, dict(sorted(self.staleness_histogram.items())))
 
-    def state(self) -> dict[str, Any]:
-        """Plain data for a checkpoint: the queued groups and the counters."""
-        return {"groups": [g.to_dict() for g in self._items], "produced": self.produced, "consumed": self.consumed,
-                "staleness_histogram": dict(self.staleness_histogram)}
+    def prompt_ids(self) -> list[str]:
+        """The prompts whose groups are queued."""
+        return [g.prompt_id for g in self._items]
 
-    async def restore(self, state: dict[str, Any]) -> None:
+    def state(self) -> QueueState:
+        """For a checkpoint: the queued groups and the counters."""
+        return QueueState(list(self._items), self.produced, self.consumed, dict(self.staleness_histogram))
+
+    async def restore(self, state: QueueState) -> None:
         async with self._changed:
-            self._items = collections.deque(TrajectoryGroup.from_dict(g) for g in state["groups"])
-            self.produced, self.consumed = state["produced"], state["consumed"]
-            self.staleness_histogram = collections.Counter({int(k): v for k, v in state["staleness_histogram"].items()})
+            self._items = collections.deque(state.groups)
+            self.produced, self.consumed = state.produced, state.consumed
+            self.staleness_histogram = collections.Counter(state.staleness_histogram)
             self._changed.notify_all()
-
-
-def message_queue_options() -> dict[str, Any]:
-    return {"name": "message-queue", "num_cpus": 0, "max_concurrency": 1000}

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import ray
 
+from asyncrl.messages import SyncTimings, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
 
 logger = logging.getLogger(__name__)
 
 
 class WeightSync:
+    """Driver-side coordination of the weight broadcast between one TrainerGroup and the engines."""
+
     def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0):
         self.trainer = trainer  # a TrainerGroup
         self.engines = engines  # EngineActor handles
@@ -29,66 +31,53 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.connected = False
         self.plan: BucketPlan | None = None  # the trainer's, once connected
-        self.last_load_paths: list[str] = []
-        self.last_in_place_bytes: list[int] = []  # per engine: received straight into parameters
+        self.world_size = 0
 
-    def connect(self) -> dict[str, Any]:
+    def connect(self) -> float:
+        """Form the broadcast group (trainer rank 0 + every vLLM worker); returns seconds taken."""
         t0 = time.monotonic()
-        host, port = ray.get(self.trainer.ranks[0].address.remote())
+        host, port = self.trainer.address()
         workers = ray.get([e.num_workers.remote() for e in self.engines])
-        world = 1 + sum(workers)
-        plan = self.trainer.call("weight_plan")
+        self.world_size = 1 + sum(workers)
+        plan = self.trainer.weight_plan()
         self.plan = BucketPlan.from_wire(plan)
         # Every member must be joining at once: the trainer's store waits for all of them.
-        refs = self.trainer.submit("init_weight_group", host, port, world)
+        refs = self.trainer.init_weight_group_async(host, port, self.world_size)
         offset = 1
         for engine, n in zip(self.engines, workers):
-            refs.append(engine.init_weight_group.remote(host, port, offset, world, self.backend, plan,
+            refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, plan,
                                                         self.timeout_s))
             offset += n
         ray.get(refs)
         self.connected = True
-        info = {"world_size": world, "connect_s": time.monotonic() - t0}
-        logger.info("weight-sync group ready: %s", info)
-        return info
+        seconds = time.monotonic() - t0
+        logger.info("weight-sync group ready: %d members, %.1fs", self.world_size, seconds)
+        return seconds
 
-    def sync(self, version: int, pause_mode: str = "abort") -> dict[str, float]:
+    def sync(self, version: int, pause_mode: str = "abort") -> SyncTimings:
         """Stage, then on every engine at once: pause, broadcast, load, stamp `version`, resume.
-        Returns each phase's seconds: engine-side phases are the slowest engine's;
-        `sync/paused_s` is the longest time an engine did not generate, `sync/total_s` the
-        whole exchange as the caller sees it (Ray calls included)."""
+        Engine-side phases are the slowest engine's; `paused_s` is the longest time an engine
+        did not generate, `total_s` the whole exchange as the caller sees it (Ray calls included)."""
         if not self.connected:
             self.connect()
         ts = time.monotonic()
-        sent = self.trainer.call("stage_weights")  # export + pack while the engines still generate
+        sent = self.trainer.stage_weights()  # export + pack while the engines still generate
         t0 = time.monotonic()
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
-        sent_refs = self.trainer.submit("broadcast_weights")
-        received = ray.get([e.update_weights.remote(version, pause_mode) for e in self.engines])
+        sent_refs = self.trainer.broadcast_weights_async()
+        received: list[WeightUpdateReport] = ray.get([e.update_weights.remote(version, pause_mode)
+                                                      for e in self.engines])
         ray.get(sent_refs)
         t1 = time.monotonic()
         for i, r in enumerate(received):
-            if r["checksums"] != sent["checksums"]:
-                bad = [n for n in sent["checksums"] if r["checksums"].get(n) != sent["checksums"][n]]
+            if r.checksums != sent.checksums:
+                bad = [n for n in sent.checksums if r.checksums.get(n) != sent.checksums[n]]
                 raise RuntimeError(f"weight sync to version {version}: engine-{i} received different bytes "
                                    f"for {bad[:5]}")
-        self.last_load_paths = [r["load_path"] for r in received]  # replay, copy, reload, +repack (worker_extension)
-        self.last_in_place_bytes = [r["in_place_bytes"] for r in received]
-        timings = {"sync/stage_s": t0 - ts, "sync/total_s": t1 - t0, "sync/version": version}
-        for phase in ("pause_s", "broadcast_load_s", "load_s", "resume_s", "paused_s"):
-            timings[f"sync/{phase}"] = max(r[phase] for r in received)
-        logger.debug("weight sync -> version %d: stage %.3fs | pause %.3fs, broadcast+load %.3fs (load %.3fs, %s), "
-                     "resume %.3fs | total %.3fs", version, timings["sync/stage_s"], timings["sync/pause_s"],
-                     timings["sync/broadcast_load_s"], timings["sync/load_s"], received[0]["load_path"],
-                     timings["sync/resume_s"], timings["sync/total_s"])
+        timings = SyncTimings(
+            version=version, stage_s=t0 - ts, total_s=t1 - t0, pause_s=max(r.pause_s for r in received),
+            broadcast_load_s=max(r.broadcast_load_s for r in received), load_s=max(r.load_s for r in received),
+            resume_s=max(r.resume_s for r in received), paused_s=max(r.paused_s for r in received),
+            load_paths=[r.load_path for r in received], in_place_bytes=[r.in_place_bytes for r in received])
+        logger.debug("weight sync -> version %d: %s", version, timings)
         return timings
-
-    def raw_broadcast(self, sizes: list[int]) -> float:
-        """Buffers of these sizes through the same group, with no model on either side
-        (benchmark baseline), timed as `sync` is."""
-        if not self.connected:
-            self.connect()
-        t0 = time.monotonic()
-        refs = self.trainer.submit("broadcast_raw", sizes) + [e.receive_raw.remote(sizes) for e in self.engines]
-        ray.get(refs)
-        return time.monotonic() - t0

@@ -1,7 +1,8 @@
-"""TrainerGroup: the trainer's ranks as Ray actors, called as one.
+"""TrainerGroup: the trainer's ranks (Ray actors, built by asyncrl.actors), called as one.
 
 Every rank gets every call with the same arguments (megatron ranks must act in step);
-`call` returns rank 0's answer. Ranks are named `trainer-rank-<i>` for the dashboard.
+each method returns rank 0's answer. The `*_async` methods return the ranks' refs, for
+calls that must overlap with calls to other actors (the weight broadcast).
 """
 
 from __future__ import annotations
@@ -10,33 +11,62 @@ from typing import Any
 
 import ray
 
-from asyncrl.config.schema import Config
-from asyncrl.trainer.trainer_rank import TrainerRank, trainer_rank_options
+from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
+from asyncrl.types import TrajectoryGroup
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, scheduling: list[dict[str, Any]] | None = None):
-        t = cfg.trainer
-        self.world_size = t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size
-        actor = ray.remote(TrainerRank)
-        self.ranks = [
-            actor.options(**trainer_rank_options(cfg, rank), **(scheduling[rank] if scheduling else {}))
-            .remote(cfg, rank, self.world_size)
-            for rank in range(self.world_size)
-        ]
+    def __init__(self, ranks: list):
+        if not ranks:
+            raise ValueError("a trainer needs at least one rank")
+        self.ranks = ranks  # Ray handles of TrainerRank actors, rank 0 first
+        self.world_size = len(ranks)
 
-    def setup(self) -> dict[str, Any]:
+    def _call(self, method: str, *args: Any) -> Any:
+        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+
+    def setup(self) -> TrainerSetupInfo:
         """Form the trainer's process group (rank 0 hosts it) and load the model on every rank."""
         host, port = ray.get(self.ranks[0].address.remote())
         return ray.get([r.setup.remote(host, port) for r in self.ranks])[0]
 
-    def submit(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        """Start `method` on every rank; returns the refs (rank 0 first)."""
-        return [getattr(r, method).remote(*args) for r in self.ranks]
+    def train_step(self, groups: list[TrajectoryGroup], policy_version: int) -> TrainStepResult:
+        return self._call("train_step", groups, policy_version)
+
+    # -- weights out ---------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 can host a process group (the weight-broadcast group)."""
+        return ray.get(self.ranks[0].address.remote())
+
+    def weight_plan(self) -> list:
+        """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""
+        return self._call("weight_plan")
+
+    def init_weight_group_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]:
+        return [r.init_weight_group.remote(host, port, world_size) for r in self.ranks]
+
+    def stage_weights(self) -> StagedWeights:
+        return self._call("stage_weights")
+
+    def broadcast_weights_async(self) -> list[ray.ObjectRef]:
+        return [r.broadcast_weights.remote() for r in self.ranks]
+
+    def export_hf(self, out_dir: str) -> str:
+        return self._call("export_hf", out_dir)
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> str:
+        """`extra`: the caller's own state (plain data), given back by `load_checkpoint`."""
+        return self._call("save_checkpoint", path, extra)
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict[str, Any]:
+        return self._call("load_checkpoint", path, load_optimizer)
 
     def call(self, method: str, *args: Any) -> Any:
-        """Run `method` on every rank and return rank 0's result."""
-        return ray.get(self.submit(method, *args))[0]
+        """A method the ranks' class adds (a TrainerRank subclass: test probes, benchmark baselines)."""
+        return self._call(method, *args)
 
     def shutdown(self) -> None:
         try:

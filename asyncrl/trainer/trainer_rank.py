@@ -40,11 +40,10 @@ import torch
 from asyncrl.algorithm.losses import LossOutput, policy_loss
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
+from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.sync.collective import (
     BucketPlan,
-    RawBroadcast,
     byte_checksum,
-    create_group,
     dtype_name,
     pack_buckets,
     send_buckets,
@@ -84,7 +83,6 @@ class TrainerRank:
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
         self._weight_group = None
-        self._raw = RawBroadcast(self.device)  # the weight-sync benchmark's baseline (allocates on first use)
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
 
     # -- setup ---------------------------------------------------------------------
@@ -92,7 +90,7 @@ class TrainerRank:
     def address(self) -> tuple[str, int]:
         return free_address()
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int) -> TrainerSetupInfo:
         """Join the trainer world, build the model from the HF checkpoint, the optimizer and schedule."""
         t0 = time.monotonic()
         t = self.cfg.trainer
@@ -136,12 +134,12 @@ class TrainerRank:
         self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
                                      int(t.weight_sync_in_place_mb * 2**20))
         n_params = sum(p.numel() for p in self.model[0].parameters())
-        info = {"setup_s": time.monotonic() - t0, "params_this_rank": n_params, "transformer_engine": self.use_te,
-                "tp": self.tp_size, "pp": mpu.get_pipeline_model_parallel_world_size(), "dp": self.dp_size,
-                "weight_bytes": self.plan.total_bytes, "weight_buckets": len(self.plan.buckets),
-                "cpu_cores": sorted(os.sched_getaffinity(0))}
+        info = TrainerSetupInfo(
+            setup_s=time.monotonic() - t0, params_this_rank=n_params, transformer_engine=self.use_te, tp=self.tp_size,
+            pp=mpu.get_pipeline_model_parallel_world_size(), dp=self.dp_size, weight_bytes=self.plan.total_bytes,
+            weight_buckets=len(self.plan.buckets), cpu_cores=sorted(os.sched_getaffinity(0)))
         if self.rank == 0:
-            logger.info("trainer ready in %.1fs: %s", info["setup_s"], info)
+            logger.info("trainer ready in %.1fs: %s", info.setup_s, info)
         return info
 
     def _load_model(self, build, path: str) -> list[torch.nn.Module]:
@@ -189,7 +187,7 @@ class TrainerRank:
 
     # -- training ----------------------------------------------------------------------
 
-    def train_step(self, groups: list, policy_version: int) -> dict[str, float]:
+    def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         """One trainer step on these trajectory groups (every rank gets the same list)."""
         t0, cpu0 = time.monotonic(), time.process_time()
         lc = self.cfg.algorithm.loss
@@ -233,7 +231,8 @@ class TrainerRank:
         metrics["train/cpu_s"] = time.process_time() - cpu0
         metrics["train/tokens_per_s"] = metrics["train/tokens"] / max(metrics["train/step_s"], 1e-9)
         metrics["train/step"] = self.step
-        return metrics
+        return TrainStepResult(metrics, staleness_max=round(metrics["train/staleness_max"]),
+                               tokens=round(metrics["train/tokens"]))
 
     def _packed_updates(self, samples: list) -> list[list[PackedBatch]]:
         """Per optimizer update: its aggregation weights, this rank's share, packed micro-batches."""
@@ -328,35 +327,6 @@ class TrainerRank:
         out["train/tokens"] = total
         return out
 
-    @torch.no_grad()
-    def forward_logits(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """Full-vocabulary logits [batch, seq, vocab] for equal-length rows (conversion checks)."""
-        from megatron.core import parallel_state as mpu
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("forward_logits needs pipeline_parallel_size=1")
-        ids = torch.tensor(token_ids, device=self.device)
-        b, n = ids.shape
-        pos = torch.arange(n, device=self.device).expand(b, n)
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1).expand(b, 1, n, n)
-        self.model[0].eval()
-        logits = self.model[0](ids, pos, None if self.use_te else mask)
-        return gather_from_tensor_model_parallel_region(logits).float().cpu()
-
-    def embedding_grad(self, groups: list) -> torch.Tensor:
-        """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:
-        lets tests compare the whole loss path against a reference implementation (TP=1)."""
-        if self.tp_size > 1 or self.dp_size > 1:
-            raise NotImplementedError("embedding_grad is for single-rank checks")
-        batches = [b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
-                   for b in update]
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self._run(self.model, batches, forward_only=False)
-        return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
-
     # -- weights out -----------------------------------------------------------------
 
     def _export(self):
@@ -372,10 +342,13 @@ class TrainerRank:
     def init_weight_group(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the broadcast group as its source; other ranks have nothing to join."""
         if self.rank == 0:
+            # The group is vLLM's (its workers are the other members): joined through the engine's vLLM compat.
+            from asyncrl.engine.vllm_compat import create_group
+
             backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
-    def stage_weights(self) -> dict[str, Any]:
+    def stage_weights(self) -> StagedWeights:
         """Export the current weights and pack them into the broadcast buckets ahead of the sync,
         while the engines still generate (the export gathers tensor-parallel shards, so every
         rank takes part; rank 0 keeps the buckets). Returns seconds and per-tensor checksums."""
@@ -392,7 +365,7 @@ class TrainerRank:
         else:
             for _ in self._export():
                 pass
-        return {"seconds": time.monotonic() - t0, "checksums": checksums}
+        return StagedWeights(time.monotonic() - t0, checksums)
 
     def broadcast_weights(self) -> float:
         """Send the staged buckets to every engine worker (rank 0; a no-op elsewhere). Returns seconds."""
@@ -402,13 +375,6 @@ class TrainerRank:
                 raise RuntimeError("broadcast_weights without stage_weights: nothing to send")
             send_buckets(self._weight_group, self._staged)
             self._staged = None
-        return time.monotonic() - t0
-
-    def broadcast_raw(self, sizes: list[int]) -> float:
-        """Broadcast buffers of these sizes with no model behind them (benchmark baseline). Rank 0 only."""
-        t0 = time.monotonic()
-        if self.rank == 0:
-            self._raw.run(self._weight_group, sizes)
         return time.monotonic() - t0
 
     def export_hf(self, out_dir: str) -> str:
@@ -428,7 +394,7 @@ class TrainerRank:
         model_sd = self.model[0].module.sharded_state_dict()
         return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
 
-    def save_checkpoint(self, ckpt_dir: str, extra: dict[str, Any] | None = None) -> str:
+    def save_checkpoint(self, ckpt_dir: str) -> str:
         """Megatron distributed checkpoint of model + optimizer, plus scheduler and step (rank 0)."""
         from megatron.core import dist_checkpointing
 
@@ -438,12 +404,12 @@ class TrainerRank:
         torch.distributed.barrier()
         dist_checkpointing.save(self._sharded_state(), str(path))
         if self.rank == 0:
-            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(), "extra": extra or {}},
-                       path / "trainer_state.pt")
+            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict()}, path / "trainer_state.pt")
         torch.distributed.barrier()
         return str(path)
 
-    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> int:
+        """Model (and optimizer, scheduler) state from `save_checkpoint`; returns the trainer's step."""
         from megatron.core import dist_checkpointing
 
         state = self._sharded_state()
@@ -457,7 +423,7 @@ class TrainerRank:
         self.step = meta["step"]
         if load_optimizer:
             self.scheduler.load_state_dict(meta["scheduler"])
-        return meta["extra"]
+        return self.step
 
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
@@ -473,11 +439,3 @@ def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
         logits = gather_from_tensor_model_parallel_region(logits)
     logp = torch.log_softmax(logits, dim=-1)
     return -(logp.exp() * logp).sum(-1)
-
-
-def trainer_rank_options(cfg: Config, rank: int) -> dict[str, Any]:
-    """Ray actor options: named for the dashboard, one GPU per rank on GPUs."""
-    opts: dict[str, Any] = {"name": f"trainer-rank-{rank}", "num_cpus": cfg.trainer.num_cpus_per_rank}
-    if cfg.cluster.device == "cuda":
-        opts["num_gpus"] = 1
-    return opts

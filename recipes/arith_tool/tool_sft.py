@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.config import load_config
+from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource
 from recipes.arith import direct_answer
 

@@ -1,0 +1,189 @@
+"""The one place that creates actors from a config: engines, rollout workers, the message
+queue, the trainer ranks and the weight-sync group, each with its Ray options (names for
+the dashboard, CPUs, GPUs, concurrency) and, in a run, its placement-group bundle.
+
+The driver, `asyncrl eval`, the benchmarks and the tests all build their actors here, so
+an actor is started the same way wherever it runs. Every actor is a plain class wrapped
+by Ray at this edge; nothing below this module imports Ray's actor machinery for them.
+
+    placement = place(cfg)                                   # one bundle per actor (a run)
+    engines = create_engines(cfg, placement.engine)          # not started yet
+    infos = start_engines(engines)
+    trainer = create_trainer(cfg, placement.trainer); trainer.setup()
+    queue = create_queue(cfg)
+    workers = create_rollout_workers(cfg, engines, queue, placement.worker)
+    sync = create_weight_sync(cfg, trainer, engines); sync.connect()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from asyncrl.config.schema import Config
+from asyncrl.engine.engine_actor import EngineActor, engines_stream
+from asyncrl.messages import EngineStartInfo
+from asyncrl.queue.message_queue import MessageQueue
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.trainer_group import TrainerGroup
+from asyncrl.trainer.trainer_rank import TrainerRank
+from asyncrl.types import SamplingSpec
+
+Options = dict[str, Any]  # extra Ray actor options (a placement-group bundle)
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold this config's actors; the message says what to lower."""
+
+
+@dataclass
+class Placement:
+    """Ray options that put each actor in its bundle of one placement group (empty: Ray places it)."""
+
+    engine: list[Options] = field(default_factory=list)
+    trainer: list[Options] = field(default_factory=list)
+    worker: list[Options] = field(default_factory=list)
+    group: Any = None  # the placement group, removed by `remove_placement`
+
+
+def weight_sync_backend(cfg: Config) -> str:
+    """The collective backend between trainer and engines: gloo on CPU, NCCL on GPUs."""
+    return "gloo" if cfg.cluster.device == "cpu" else "nccl"
+
+
+def trainer_world_size(cfg: Config) -> int:
+    t = cfg.trainer
+    return t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size
+
+
+def queue_capacity(cfg: Config) -> int:
+    """Room for every group staleness control can admit ahead of the trainer, plus one step."""
+    a = cfg.algorithm
+    return (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
+
+
+# -- placement ------------------------------------------------------------------------
+
+def place(cfg: Config, timeout_s: float = 120) -> Placement:
+    """One placement group (PACK): a bundle per engine, trainer rank and rollout worker.
+    Raises PlacementError when the cluster lacks the resources, naming what to lower."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    gpu = cfg.cluster.device == "cuda"
+    t = cfg.trainer
+    roles = ([("engine", {"CPU": cfg.engine.num_cpus_per_engine,
+                          **({"GPU": cfg.engine.tensor_parallel_size} if gpu else {})})] * cfg.engine.num_engines
+             + [("trainer", {"CPU": t.num_cpus_per_rank, **({"GPU": 1} if gpu else {})})] * trainer_world_size(cfg)
+             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker})] * cfg.rollout.num_workers)
+    need: dict[str, float] = {}
+    for _, bundle in roles:
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0) + v
+    have = ray.cluster_resources()
+    short = {k: (v, have.get(k, 0)) for k, v in need.items() if v > have.get(k, 0) + 1e-9}
+    if short:
+        raise PlacementError("not enough cluster resources for this config: " + ", ".join(
+            f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
+            + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
+              "or the number of engines / workers / ranks)")
+    pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
+    ray.get(pg.ready(), timeout=timeout_s)
+    placement = Placement(group=pg)
+    for i, (role, _) in enumerate(roles):
+        getattr(placement, role).append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)})
+    return placement
+
+
+def remove_placement(placement: Placement) -> None:
+    if placement.group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(placement.group)
+
+
+def _slot(slots: list[Options] | None, i: int) -> Options:
+    return slots[i] if slots else {}
+
+
+# -- engines --------------------------------------------------------------------------
+
+def engine_options(cfg: Config, engine_id: int) -> Options:
+    """Named for the dashboard, sized by config, many concurrent calls (generate is async)."""
+    return {"name": f"engine-{engine_id}", "num_cpus": cfg.engine.num_cpus_per_engine, "max_concurrency": 10_000}
+
+
+def create_engines(cfg: Config, slots: list[Options] | None = None, stream: bool | None = None,
+                   engine_class: type = EngineActor) -> list:
+    """`engine.num_engines` EngineActors, not started yet (`start_engines`). `stream`: whether
+    they stream per-token outputs (default: as `algorithm.pause_mode` needs)."""
+    return [create_engine(cfg, i, _slot(slots, i), stream, engine_class) for i in range(cfg.engine.num_engines)]
+
+
+def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stream: bool | None = None,
+                  engine_class: type = EngineActor) -> Any:
+    """One EngineActor, `engine-<engine_id>` on the dashboard, not started yet."""
+    stream = engines_stream(cfg.algorithm.pause_mode) if stream is None else stream
+    return (ray.remote(engine_class).options(**engine_options(cfg, engine_id), **(slot or {}))
+            .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream))
+
+
+def start_engines(engines: list) -> list[EngineStartInfo]:
+    """Start vLLM in every engine at once; returns each engine's start report."""
+    return ray.get([e.start.remote() for e in engines])
+
+
+def create_local_engine(cfg: Config, stream: bool = False) -> EngineActor:
+    """An EngineActor as a plain object in this process (no Ray): `asyncrl eval`. Not started."""
+    return EngineActor(0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device,
+                       stream_outputs=stream)
+
+
+# -- queue and rollout workers ----------------------------------------------------------
+
+def create_queue(cfg: Config, capacity: int | None = None) -> Any:
+    """The message queue, `message-queue` on the dashboard; it holds no CPU (it only waits)."""
+    return ray.remote(MessageQueue).options(name="message-queue", num_cpus=0, max_concurrency=1000).remote(
+        capacity or queue_capacity(cfg))
+
+
+def rollout_worker_options(cfg: Config, worker_id: int) -> Options:
+    return {"name": f"rollout-worker-{worker_id}", "num_cpus": cfg.rollout.num_cpus_per_worker,
+            "max_concurrency": 1000}
+
+
+def create_rollout_workers(cfg: Config, engines: list, queue: Any | None, slots: list[Options] | None = None,
+                           sampling: SamplingSpec | None = None) -> list:
+    """`rollout.num_workers` RolloutWorkers over these engines, emitting groups to `queue`
+    (None: each keeps its groups for `take_groups`)."""
+    return [ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, i), **_slot(slots, i))
+            .remote(i, cfg, engines, queue, None, sampling) for i in range(cfg.rollout.num_workers)]
+
+
+# -- trainer and weight sync -------------------------------------------------------------
+
+def trainer_rank_options(cfg: Config, rank: int) -> Options:
+    """Named for the dashboard; one GPU per rank on GPUs."""
+    opts: Options = {"name": f"trainer-rank-{rank}", "num_cpus": cfg.trainer.num_cpus_per_rank}
+    if cfg.cluster.device == "cuda":
+        opts["num_gpus"] = 1
+    return opts
+
+
+def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: type = TrainerRank) -> TrainerGroup:
+    """The trainer's ranks as Ray actors, behind one TrainerGroup (not set up yet: `setup()`).
+    `rank_class`: a TrainerRank subclass (benchmarks and tests add their own probes)."""
+    world = trainer_world_size(cfg)
+    ranks = [ray.remote(rank_class).options(**trainer_rank_options(cfg, r), **_slot(slots, r))
+             .remote(cfg, r, world) for r in range(world)]
+    return TrainerGroup(ranks)
+
+
+def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list) -> WeightSync:
+    """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers (not
+    connected yet: `connect()`)."""
+    return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s)

@@ -1,0 +1,67 @@
+"""The benchmarks' own settings (`bench.*`), kept out of the training config: only
+`asyncrl bench` accepts and validates them.
+
+    asyncrl bench rollout recipe=arith bench.rounds=7 bench.max_new_tokens=16
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from asyncrl.config import ConfigError
+
+PREFIX = "bench."
+
+
+@dataclass
+class BenchConfig:
+    num_prompts: int = 64
+    n_samples: int = 8
+    max_new_tokens: int = 64
+    ignore_eos: bool = True  # every request generates exactly max_new_tokens: equal work on both paths
+    pause_requests: int = 64  # requests in flight when pause/resume is timed
+    rounds: int = 3  # raw and framework rounds alternate; medians are reported (the machine is noisy)
+    # Untimed full rounds first: the first round through fresh Ray actors runs slower.
+    warmup_rounds: int = 1
+    # Pause before each timed rollout round: vLLM's processes keep polling for 1 s after their
+    # last request, and the idle engine's polling would take CPU from the other path's round.
+    settle_s: float = 1.5
+    trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
+    # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
+    train_s: float = 180.0
+    repeats: int = 1  # sync-vs-async bench: (sync, async) pairs run one after the other
+
+
+def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """Command-line arguments -> (`bench.*` overrides, everything else for Hydra)."""
+    bench = [a for a in args if a.startswith(PREFIX)]
+    return bench, [a for a in args if not a.startswith(PREFIX)]
+
+
+def parse_bench_config(overrides: list[str]) -> BenchConfig:
+    """`bench.key=value` overrides over the defaults, checked; ConfigError names every problem."""
+    problems: list[str] = []
+    node = OmegaConf.structured(BenchConfig)
+    for o in overrides:
+        try:
+            node = OmegaConf.merge(node, OmegaConf.from_dotlist([o[len(PREFIX):]]))
+        except OmegaConfBaseException as e:
+            problems.append(f"{o}: {str(e).splitlines()[0]} (valid keys: "
+                            f"{', '.join(PREFIX + k for k in BenchConfig.__dataclass_fields__)})")
+    if problems:
+        raise ConfigError(problems)
+    b: BenchConfig = OmegaConf.to_object(node)
+    for name in ("num_prompts", "n_samples", "max_new_tokens", "pause_requests", "rounds", "trainer_steps", "repeats"):
+        if getattr(b, name) < 1:
+            problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 1")
+    for name in ("warmup_rounds", "settle_s"):
+        if getattr(b, name) < 0:
+            problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 0")
+    if b.train_s < 1:
+        problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
+    if problems:
+        raise ConfigError(problems)
+    return b

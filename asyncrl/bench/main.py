@@ -1,0 +1,56 @@
+"""`asyncrl bench NAME [recipe=...] [key=value ...] [bench.key=value ...]`: benchmarks that
+print their figures as one JSON object on the last line. Each compares against its
+baseline in the same run.
+
+    rollout       the rollout path (worker -> agent loop -> engine actor) vs raw vLLM
+    weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
+    sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
+
+`bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
+training config, composed and validated as `asyncrl train` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_overrides
+from asyncrl.config import CONF_DIR, ConfigError
+from asyncrl.run_config import validate_or_exit
+
+BENCHMARKS = {
+    "rollout": "asyncrl.bench.rollout:run_rollout_bench",
+    "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
+    "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
+}
+_selected: list[tuple[str, BenchConfig]] = []
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(dict_cfg: DictConfig) -> None:
+    cfg = validate_or_exit(dict_cfg)
+    name, bench = _selected[0]
+    module, func = BENCHMARKS[name].split(":")
+    result = getattr(importlib.import_module(module), func)(cfg, bench)
+    print(json.dumps(result), flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(f"usage: asyncrl bench {{{','.join(BENCHMARKS)}}} [recipe=NAME] [key=value ...] [bench.key=value ...]",
+              file=sys.stderr)
+        raise SystemExit(2)
+    bench_args, rest = split_bench_overrides(sys.argv[2:])
+    try:
+        bench = parse_bench_config(bench_args)
+    except ConfigError as e:
+        print(f"asyncrl bench: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    _selected.append((sys.argv[1], bench))
+    sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *rest]
+    _hydra_main()

@@ -1,0 +1,175 @@
+"""Typed messages between actors: what one actor answers another, beyond the plain data
+of `asyncrl.types` (trajectories, groups, snapshots).
+
+Every result that crosses an actor boundary in the training path is one of these
+dataclasses: no `dict[str, Any]` under agreed keys, no reasons parsed out of free text.
+Metrics meant only for logging stay `dict[str, float]` (their keys are the metric names).
+Nothing here knows vLLM, Megatron or Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asyncrl.types import TrajectoryGroup
+
+# -- failures ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a prompt or a trajectory failed: a stable `code` to count by, and a `detail` for people.
+
+    Codes: empty_prompt, prompt_too_long, unknown_env, unknown_agent_loop (a row rejected at
+    submit); loop_error, remote_error (a sample that could not be generated); reward_error,
+    reward_timeout (a reward function that raised or hung: reward 0)."""
+
+    code: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.detail}" if self.detail else self.code
+
+
+# -- engine -----------------------------------------------------------------------------
+
+@dataclass
+class EngineStartInfo:
+    """What `EngineActor.start()` reports."""
+
+    start_s: float
+    rss_gib: float  # the actor's process tree
+    cpu_cores: list[int]  # the cores its processes' threads may run on
+    vllm_processes: list[str]  # by title: VLLM::EngineCore, VLLM::Worker...
+    model_in_engine_core: bool
+    plain_weights: bool  # vLLM-CPU linear weights kept unpacked (engine.cpu_prepack_weights=false)
+
+
+@dataclass
+class WeightUpdateReport:
+    """What `EngineActor.update_weights()` reports: each phase's seconds, how the weights were
+    loaded and what was received (per-tensor checksums, checked against the trainer's)."""
+
+    pause_s: float
+    broadcast_load_s: float  # receiving and loading, as the engine actor waits for them
+    receive_s: float  # of which waiting for bytes
+    load_s: float  # of which loading
+    resume_s: float
+    paused_s: float  # the time this engine did not generate
+    load_path: str  # replay | copy | reload, +repack (asyncrl.engine.worker_extension)
+    in_place_bytes: int  # received straight into parameters
+    checksums: dict[str, int]
+
+
+# -- trainer ----------------------------------------------------------------------------
+
+@dataclass
+class TrainerSetupInfo:
+    """What a trainer rank reports after `setup()`."""
+
+    setup_s: float
+    params_this_rank: int
+    transformer_engine: bool
+    tp: int
+    pp: int
+    dp: int
+    weight_bytes: int  # of the whole model, as broadcast to the engines
+    weight_buckets: int
+    cpu_cores: list[int]  # the cores this rank may run on
+
+
+@dataclass
+class StagedWeights:
+    """What `stage_weights()` reports: seconds to export and pack, and each tensor's checksum."""
+
+    seconds: float
+    checksums: dict[str, int]
+
+
+@dataclass
+class TrainStepResult:
+    """One train step: its metrics (`train/...`, logged as they are) and the oldest trained
+    token's staleness, which the driver checks against the bound."""
+
+    metrics: dict[str, float]
+    staleness_max: int
+    tokens: int
+
+
+# -- weight sync (driver side) ------------------------------------------------------------
+
+@dataclass
+class SyncTimings:
+    """One weight sync, as the driver sees it: engine-side phases are the slowest engine's."""
+
+    version: int
+    stage_s: float  # trainer export + pack, while the engines still generate
+    total_s: float  # pause -> broadcast -> load -> resume, from the driver's calls to the last reply
+    pause_s: float
+    broadcast_load_s: float
+    load_s: float
+    resume_s: float
+    paused_s: float  # the longest time an engine did not generate
+    load_paths: list[str]  # per engine
+    in_place_bytes: list[int]  # per engine
+
+    def metrics(self) -> dict[str, float]:
+        """`sync/<phase>` for the run's metrics (the per-engine lists left out)."""
+        return {f"sync/{k}": v for k, v in asdict(self).items() if isinstance(v, (int, float))}
+
+
+# -- rollout workers ----------------------------------------------------------------------
+
+@dataclass
+class WorkerStats:
+    """What a rollout worker reports: counters, what is running, and every failure by code."""
+
+    worker_id: int = 0
+    prompts_submitted: int = 0
+    groups_emitted: int = 0
+    trajectories_finished: int = 0
+    interruptions: int = 0
+    resumes: int = 0
+    generated_tokens: int = 0
+    running_loops: int = 0
+    snapshots: int = 0
+    failed_prompts: dict[str, Failure] = field(default_factory=dict)  # prompt id -> why it was rejected
+    failures: dict[str, int] = field(default_factory=dict)  # Failure.code -> count (prompts and trajectories)
+    engine_outstanding: list[int] = field(default_factory=list)  # this worker's requests per engine
+
+
+# -- queue ------------------------------------------------------------------------------
+
+@dataclass
+class QueueState:
+    """The queue's contents and counters, for a checkpoint (`to_dict` is JSON)."""
+
+    groups: list[TrajectoryGroup]
+    produced: int
+    consumed: int
+    staleness_histogram: dict[int, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": [g.to_dict() for g in self.groups], "produced": self.produced, "consumed": self.consumed,
+                "staleness_histogram": {str(k): v for k, v in self.staleness_histogram.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QueueState:
+        return cls([TrajectoryGroup.from_dict(g) for g in d["groups"]], d["produced"], d["consumed"],
+                   {int(k): v for k, v in d["staleness_histogram"].items()})
+
+
+@dataclass
+class QueueStats:
+    """What the queue reports each step."""
+
+    size: int
+    capacity: int
+    produced: int
+    consumed: int
+    producer_wait_s: float  # total seconds producers waited for room (backpressure)
+    consumer_wait_s: float  # total seconds the trainer waited for groups
+    staleness_histogram: dict[int, int]  # versions between a group's oldest token and the version it was taken at
+
+    def metrics(self) -> dict[str, float | dict[int, int]]:
+        return {f"queue/{k}": v for k, v in asdict(self).items()}

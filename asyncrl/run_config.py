@@ -1,0 +1,46 @@
+"""The config a command runs with: composed by Hydra, checked against the schema
+(asyncrl.config) and against the registries above it (agent loops, agent types and
+their params), every problem reported at once.
+
+    cfg = load_config(["recipe=arith", "algorithm.max_staleness=2"])   # tests, scripts
+    cfg = validate_or_exit(dict_cfg)                                    # a Hydra app's main
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from asyncrl.agents.registry import check_registered
+from asyncrl.config import Config, ConfigError, compose, validate
+
+
+def validate_config(cfg: DictConfig | dict[str, Any]) -> Config:
+    """The typed config, or a `ConfigError` naming every bad value."""
+    return validate(cfg, checks=[check_registered])
+
+
+def load_config(overrides: list[str] | None = None) -> Config:
+    """Compose (as `asyncrl train` would, for these overrides) and validate."""
+    return validate_config(compose(overrides))
+
+
+def load_config_file(path: str, overrides: list[str] | None = None) -> Config:
+    """A recipe-style YAML file (any sections) over the defaults, then `key=value` overrides;
+    validated. For commands that take `--config FILE` (asyncrl serve-env)."""
+    if not Path(path).is_file():
+        raise OSError(f"config file {path!r} not found")
+    return validate_config(OmegaConf.merge(compose([]), OmegaConf.load(path),
+                                           OmegaConf.from_dotlist(list(overrides or []))))
+
+
+def validate_or_exit(cfg: DictConfig) -> Config:
+    """For CLI entry points: the typed config, or the problems on stderr and exit status 2."""
+    try:
+        return validate_config(cfg)
+    except ConfigError as e:
+        print(f"asyncrl: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,40 @@
+"""A TrainerRank with test-only probes (built through asyncrl.actors.create_trainer's
+`rank_class`): full logits and the loss gradient, to check the trainer against Hugging Face."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.trainer.batch import build_samples
+from asyncrl.trainer.trainer_rank import TrainerRank
+
+
+class ProbedTrainerRank(TrainerRank):
+    @torch.no_grad()
+    def forward_logits(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """Full-vocabulary logits [batch, seq, vocab] for equal-length rows (conversion checks)."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError("forward_logits needs pipeline_parallel_size=1")
+        ids = torch.tensor(token_ids, device=self.device)
+        b, n = ids.shape
+        pos = torch.arange(n, device=self.device).expand(b, n)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1).expand(b, 1, n, n)
+        self.model[0].eval()
+        logits = self.model[0](ids, pos, None if self.use_te else mask)
+        return gather_from_tensor_model_parallel_region(logits).float().cpu()
+
+    def embedding_grad(self, groups: list) -> torch.Tensor:
+        """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:
+        the whole loss path against a reference implementation (TP=1)."""
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise NotImplementedError("embedding_grad is for single-rank checks")
+        batches = [b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
+                   for b in update]
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self._run(self.model, batches, forward_only=False)
+        return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
