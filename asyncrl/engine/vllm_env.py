@@ -10,6 +10,7 @@ from typing import Any
 
 from asyncrl.config import REPO_ROOT
 from asyncrl.config.schema import EngineConfig
+from asyncrl.engine.vllm_compat import ENABLE_V1_MULTIPROCESSING
 from asyncrl.types import SamplingSpec
 
 
@@ -33,7 +34,7 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         # of forcing a worker process. vLLM refuses it for fear of OpenMP set up too late, true
         # of its in-process `LLM`; asyncrl starts AsyncLLM, whose engine core is a fresh process.
         in_core = engine.cpu_model_in_engine_core and engine.tensor_parallel_size == 1
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_core else "1"
+        os.environ[ENABLE_V1_MULTIPROCESSING] = "0" if in_core else "1"
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:

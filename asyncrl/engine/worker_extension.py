@@ -13,6 +13,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from asyncrl.engine import vllm_compat
 from asyncrl.engine.load_plan import LoadPlan
 from asyncrl.sync.collective import (
     DTYPES,
@@ -45,7 +46,7 @@ class WeightLoaderExtension:
                                   backend: str, plan_wire: list, timeout_s: float) -> int:
         """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`, and
         keep its bucket plan (every broadcast follows it)."""
-        rank = rank_offset + self.rank
+        rank = rank_offset + vllm_compat.worker_rank(self)
         self._asyncrl_group = create_group(host, port, rank, world_size, backend, timeout_s)
         self._asyncrl_bucket_plan = BucketPlan.from_wire(plan_wire)
         return rank
@@ -63,18 +64,19 @@ class WeightLoaderExtension:
         if direct:
             self._asyncrl_prepare_direct_load()
         replay, destinations = self._asyncrl_replay(plan) if direct else (None, {})
+        device = vllm_compat.worker_device(self)
         # A replay copies each tensor as it comes, so receive buffers can be reused; a model's
         # load_weights or vLLM's reload may hold on to tensors, so those get fresh ones.
         if replay is not None and self._asyncrl_buffers is None:
-            self._asyncrl_buffers = ReceiveBuffers(self.device)
+            self._asyncrl_buffers = ReceiveBuffers(device)
         buffers = self._asyncrl_buffers if replay is not None else None
-        model_dtype = self.model_runner.model_config.dtype
+        model_dtype = vllm_compat.worker_model_dtype(self)
         checksums: dict[str, int] = {}
         waited, in_place_bytes = [0.0], [0]
 
         def buckets():
             """Each bucket's tensors as it arrives (none for one received in place)."""
-            received = receive_buckets(self._asyncrl_group, plan, self.device, buffers, destinations)
+            received = receive_buckets(self._asyncrl_group, plan, device, buffers, destinations)
             while True:
                 t = time.monotonic()
                 bucket = next(received, None)
@@ -111,7 +113,7 @@ class WeightLoaderExtension:
     def asyncrl_receive_raw(self, sizes: list[int]) -> None:
         """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
         if self._asyncrl_raw is None:
-            self._asyncrl_raw = RawBroadcast(self.device)
+            self._asyncrl_raw = RawBroadcast(vllm_compat.worker_device(self))
         self._asyncrl_raw.run(self._asyncrl_group, sizes)
 
     def asyncrl_parent_pid(self) -> int:
@@ -129,14 +131,12 @@ class WeightLoaderExtension:
         self._asyncrl_prepack = False
         files = sorted(Path(model_path).glob("*.safetensors"))
         self._asyncrl_load(item for f in files for item in safetensors.torch.load_file(f).items())
-        for layer in self.model_runner.model.modules():
-            if hasattr(layer, "cpu_linear"):  # vLLM-CPU's GEMM hook, set by its oneDNN packing
-                layer.cpu_linear = torch.nn.functional.linear
+        vllm_compat.use_torch_linear(vllm_compat.worker_model(self))
         return True
 
     def _asyncrl_targets(self) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
         if not hasattr(self, "_asyncrl_direct_targets"):
-            self._asyncrl_direct_targets = direct_load_targets(self.model_runner.model)
+            self._asyncrl_direct_targets = direct_load_targets(vllm_compat.worker_model(self))
         return self._asyncrl_direct_targets
 
     def _asyncrl_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -155,7 +155,7 @@ class WeightLoaderExtension:
             if layer.weight is not weight:
                 layer.weight = weight
         if (self._asyncrl_prepack and self._asyncrl_plan is not None
-                and not self._asyncrl_plan.in_place(self.model_runner.model)):
+                and not self._asyncrl_plan.in_place(vllm_compat.worker_model(self))):
             logger.warning("weight loads stay on model.load_weights: the model's parameters moved after a load")
             self._asyncrl_plan = None
             self._asyncrl_capture = False
@@ -167,7 +167,7 @@ class WeightLoaderExtension:
         replay), then run the post-load processing ("+repack": vLLM-CPU's oneDNN packing,
         after_direct_load) unless the engine keeps plain weights. Each bucket's tensors are
         loaded before the next bucket is asked for (its receive buffer may be reused)."""
-        model = self.model_runner.model
+        model = vllm_compat.worker_model(self)
         if replay is not None:
             for tensors in buckets:
                 replay.replay(tensors)
@@ -183,20 +183,17 @@ class WeightLoaderExtension:
         if not self._asyncrl_prepack:
             return path
         after_direct_load(model)
-        return path + "+repack" if self.device.type == "cpu" else path
+        return path + "+repack" if vllm_compat.worker_device(self).type == "cpu" else path
 
     def _asyncrl_reload(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         """Models with layers the direct load does not cover (quantized ones): vLLM's own
         in-place reload, which re-runs the post-load processing."""
-        model = self.model_runner.model
-        # vLLM warns at every in-place reload that modules without checkpoint weights (RoPE,
-        # the tied lm_head) "failed to load": expected here, and noise at one sync per step.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        self.reload_weights(weights_iterator=iter(tensors))
+        model = vllm_compat.worker_model(self)
+        vllm_compat.reload_weights(self, tensors)
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does
             # not refresh: without this, logits come from the old embedding.
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+            vllm_compat.process_weights_after_loading(model.lm_head)
         return "reload"
 
 
@@ -206,29 +203,19 @@ def direct_load_targets(model: torch.nn.Module) -> list[tuple[torch.nn.Module, t
     reloads (same class, shape and weight_loader); an empty list where nothing is packed
     (GPUs). None when the model has layers this path does not cover (quantized ones): those
     go through vLLM's reload_weights."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
+    linear_method, embedding_method = vllm_compat.unquantized_method_classes()
     targets = []
     for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        if method is None or isinstance(method, UnquantizedEmbeddingMethod):
+        method = vllm_compat.quant_method(layer)
+        if method is None or isinstance(method, embedding_method):
             continue
-        if not isinstance(method, UnquantizedLinearMethod):
+        if not isinstance(method, linear_method):
             return None
         if layer.weight.numel() > 0:  # not packed away (GPUs, a CPU fallback GEMM): loaded in place
             continue
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-        meta = LAYERWISE_INFO[layer].restore_metadata[0].get("weight") if layer in LAYERWISE_INFO else None
-        if meta is None:
+        weight = vllm_compat.packed_weight_from_reload_metadata(layer)
+        if weight is None:
             return None
-        weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
-        # A reload_weights before this one leaves its deferred-processing wrappers on the metadata.
-        while getattr(weight.weight_loader, "__name__", "") == "online_process_loader":
-            weight.weight_loader = weight.weight_loader.__wrapped__
         targets.append((layer, weight))
     return targets
 
@@ -242,9 +229,4 @@ def after_direct_load(model: torch.nn.Module) -> None:
     (`asyncrl_use_plain_weights`): those multiply with torch's linear, and a load is just the
     copy. Each target of `direct_load_targets` keeps its memory between loads (with packing:
     one plain copy of the linear weights next to oneDNN's packed one)."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    for layer in model.modules():
-        method = getattr(layer, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):  # linear layers, and the embedding's GEMM a tied lm_head uses
-            method.process_weights_after_loading(layer)
+    vllm_compat.process_all_weights_after_loading(model)

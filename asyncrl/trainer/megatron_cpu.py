@@ -2,9 +2,11 @@
 
 megatron-core assumes CUDA in a handful of places. `apply_cpu_patches()` replaces each
 of them, once per process, and only when the trainer runs on CPU; on GPUs nothing here
-runs. Each patch says in one line what it fixes. What cannot work on CPU at all (the
-distributed optimizer, sequence parallelism, Transformer Engine layers) is refused by
-config validation instead of being patched.
+runs. Each patch says in one line what it fixes and the version it was checked
+against (`CHECKED_VERSIONS`; tests/test_compat.py fails on any other, and checks that
+every name in `PRIVATE_NAMES`, `SOURCE_FACTS` and `REPLACEMENTS` is still there). What
+cannot work on CPU at all (the distributed optimizer, sequence parallelism, Transformer
+Engine layers) is refused by config validation instead of being patched.
 """
 
 from __future__ import annotations
@@ -13,6 +15,37 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+CHECKED_VERSIONS = {"megatron-core": "0.16.1"}
+
+# The megatron-core names patched or read here, as (module, attribute path).
+PRIVATE_NAMES: list[tuple[str, str]] = [
+    ("megatron.core.tensor_parallel.random", "_MODEL_PARALLEL_RNG_TRACKER_NAME"),
+    ("megatron.core.tensor_parallel.random", "_DATA_PARALLEL_RNG_TRACKER_NAME"),
+    ("megatron.core.tensor_parallel.random", "_EXPERT_PARALLEL_RNG_TRACKER_NAME"),
+    ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER"),
+    ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.pipeline_parallel.schedules", "torch"),
+]
+
+# Why each patch is still needed, and what it must match: (module, attribute path or ""
+# for the module, text its source must contain).
+SOURCE_FACTS: list[tuple[str, str, str]] = [
+    ("megatron.core.tensor_parallel.random", "initialize_rng_tracker", "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:"),
+    ("megatron.core.tensor_parallel.random", "get_cuda_rng_tracker", "return _CUDA_RNG_STATE_TRACKER"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed", "offset = seed + 2718"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed",
+     "expert_parallel_seed = seed + 1024 + 100 * ep_rank + etp_rank"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
+     "self._scale = torch.tensor([1.0], dtype=torch.float, device='cuda')"),
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
+     "self.is_stub_optimizer = True if optimizer is None else False"),
+    ("megatron.core.pipeline_parallel.schedules", "", 'torch.zeros([], dtype=torch.int, device="cuda")'),
+]
 
 _applied = False
 
@@ -64,10 +97,11 @@ def seed_cpu_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int = 0) -> No
     from megatron.core.tensor_parallel import random as mp_random
 
     tracker = CpuRNGStatesTracker()
-    # Same seed offsets as megatron: TP ranks differ, DP ranks share the data-parallel seed.
+    # Same names and seed offsets as megatron: TP ranks differ, DP ranks share the data-parallel seed.
     tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
     tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + tp_rank)
+    # get_cuda_rng_tracker() returns this global; there is no public setter (mcore 0.16.1).
     mp_random._CUDA_RNG_STATE_TRACKER = tracker
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.manual_seed(seed)
@@ -98,6 +132,22 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
             grad.detach().mul_(clip_coeff)
 
 
+def _fp32_optimizer_init_cpu(self, optimizer, config, init_state_fn) -> None:
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+    self._scale = torch.tensor([1.0])
+    self.is_stub_optimizer = optimizer is None
+
+
+# The functions replaced, as (module, attribute path, replacement): same parameters.
+REPLACEMENTS: list[tuple[str, str, object]] = [
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", _fp32_optimizer_init_cpu),
+    ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", _grad_norm_fp32_cpu),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+]
+
+
 class _TorchOnCpu:
     """The torch module, except that factories asked for device="cuda" allocate on the CPU."""
 
@@ -116,24 +166,18 @@ def apply_cpu_patches() -> None:
         return
     import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.pipeline_parallel.schedules as mcore_schedules
-    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer
 
-    # RoPE, grad buffers, GlobalMemoryBuffer, attention masks and mbridge allocate on
-    # torch.cuda.current_device(): on a CPU trainer that device is the CPU.
+    # RoPE, grad buffers, GlobalMemoryBuffer, attention masks, mbridge use torch.cuda.current_device() (mcore 0.16.1).
     torch.cuda.current_device = lambda: torch.device("cpu")
-    # dist_checkpointing and the schedules synchronize CUDA streams: nothing to wait for on CPU.
+    # dist_checkpointing and the schedules synchronize CUDA streams: nothing to wait for on CPU (mcore 0.16.1).
     torch.cuda.synchronize = lambda device=None: None
 
-    def fp32_optimizer_init(self, optimizer, config, init_state_fn):
-        MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
-        self._scale = torch.tensor([1.0])
-        self.is_stub_optimizer = optimizer is None
-
-    # FP32Optimizer builds its loss-scale tensor with device='cuda'.
-    FP32Optimizer.__init__ = fp32_optimizer_init
-    # Grad-norm and clipping use apex/TE multi-tensor kernels on CUDA tensors (and assert CUDA types).
+    # FP32Optimizer builds its loss-scale tensor with device='cuda' (mcore 0.16.1; the rest of its __init__ as here).
+    FP32Optimizer.__init__ = _fp32_optimizer_init_cpu
+    # Grad norm and clipping use apex/TE multi-tensor kernels and assert CUDA tensors (mcore 0.16.1).
     mcore_optimizer.get_grad_norm_fp32 = _grad_norm_fp32_cpu
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
-    # The schedules count tokens in torch.zeros(..., device="cuda").
+    # The schedules count tokens in torch.zeros(..., device="cuda") (mcore 0.16.1).
     mcore_schedules.torch = _TorchOnCpu()
     _applied = True

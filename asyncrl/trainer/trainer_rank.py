@@ -44,6 +44,7 @@ from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.sync.collective import (
     BucketPlan,
     byte_checksum,
+    create_group,
     dtype_name,
     pack_buckets,
     send_buckets,
@@ -342,9 +343,6 @@ class TrainerRank:
     def init_weight_group(self, host: str, port: int, world_size: int) -> None:
         """Rank 0 joins the broadcast group as its source; other ranks have nothing to join."""
         if self.rank == 0:
-            # The group is vLLM's (its workers are the other members): joined through the engine's vLLM compat.
-            from asyncrl.engine.vllm_compat import create_group
-
             backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
