@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any
 
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, SamplingSpec, Segment, Trajectory, TrajectoryStatus
 
 _request_counter = itertools.count()

@@ -22,8 +22,8 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.agents.registry import build_agents
 from asyncrl.config import Config
-from asyncrl.engine.gateway import InferenceGateway
-from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
+from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.tasks import Problem
 from asyncrl.types import GenerationResult, SamplingSpec
 

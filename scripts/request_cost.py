@@ -1,5 +1,5 @@
 """CPU cost of sending one generation request from a rollout worker to an engine: a Ray actor
-call a request, against the engine's request channel (asyncrl/engine/channel.py).
+call a request, against the engine's request channel (asyncrl/inference/channel.py).
 
 Two Ray actors stand in for the worker and the engine; the engine answers every request
 after 10 ms with a 64-token GenerationResult (no model: what is measured is the transport).
@@ -20,7 +20,7 @@ import statistics
 
 import ray
 
-from asyncrl.engine.channel import ChannelAddress, ChannelServer, EngineChannel
+from asyncrl.inference.channel import ChannelAddress, ChannelServer, EngineChannel
 from asyncrl.types import GenerationResult, SamplingSpec
 
 

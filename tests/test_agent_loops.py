@@ -54,7 +54,8 @@ def test_tool_output_is_cut_to_the_budget(tokenizer):
 
 
 def test_config_validation_refuses_an_unknown_default_loop(base_model):
-    from asyncrl.config import ConfigError, load_config
+    from asyncrl.config import ConfigError
+    from asyncrl.run_config import load_config
 
     with pytest.raises(ConfigError, match="rollout.agent_loop='no_such_loop': not a registered agent loop; "
                                           "registered: multi_turn, partial_single_turn, partial_tool"):

@@ -12,8 +12,8 @@ from asyncrl.agents.api import EvaluationResponse, ProblemResult
 from asyncrl.agents.multi_task import WeightedMultiTask, allocate_groups
 from asyncrl.agents.registry import build_agent, build_agents
 from asyncrl.config import ConfigError
-from asyncrl.run_config import load_config
 from asyncrl.config.schema import AgentConfig
+from asyncrl.run_config import load_config
 
 
 def result(greedy, sampled):

@@ -10,9 +10,9 @@ import pytest
 
 from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.agents.registry import build_agent
-from asyncrl.run_config import load_config
-from asyncrl.engine.gateway import InferenceGateway
+from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
+from asyncrl.run_config import load_config
 from asyncrl.types import SamplingSpec
 from tests.conftest import ray_engines
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.run_config import load_config
 from asyncrl.recipe_hooks import load_recipe_hooks
+from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
 from tests.conftest import REPO, run_cli
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_overrides
+from asyncrl.bench.raw_broadcast import raw_sizes
 from asyncrl.config import ConfigError
 from tests.conftest import run_cli
 
@@ -22,6 +23,10 @@ def test_bench_settings_are_split_from_the_training_overrides_and_checked():
     assert any(p.startswith("bench.train_s=abc:") for p in problems)
     with pytest.raises(ConfigError, match=r"bench.rounds=0: must be >= 1"):
         parse_bench_config(["bench.rounds=0"])
+
+
+def test_raw_sizes_cut_the_bytes_into_buckets():
+    assert raw_sizes(10, 4) == [4, 4, 2] and raw_sizes(8, 4) == [4, 4] and raw_sizes(3, 4) == [3]
 
 
 def test_a_bad_bench_setting_exits_2_before_anything_starts(tmp_path):

@@ -1,4 +1,4 @@
-"""The request channel (asyncrl/engine/channel.py) over real loopback TCP. The engine's side
+"""The request channel (asyncrl/inference/channel.py) over real loopback TCP. The engine's side
 answers with a small generate function here; tests/test_agents_vllm.py, test_engine_vllm.py and
 the training runs send every agent loop's requests through it to real vLLM engines."""
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.engine.channel import ChannelAddress, ChannelServer, EngineChannel
+from asyncrl.inference.channel import ChannelAddress, ChannelServer, EngineChannel
 from asyncrl.types import GenerationResult, SamplingSpec
 
 SAMPLING = SamplingSpec(max_new_tokens=4, temperature=0.5, top_p=0.9, stop=["\n"], ignore_eos=True)

@@ -17,7 +17,6 @@ from asyncrl.sync.collective import (
     pack_buckets,
     range_sums_numpy,
     range_sums_running,
-    raw_sizes,
 )
 
 
@@ -103,10 +102,6 @@ def test_tensors_of_alone_bytes_get_buckets_of_their_own():
     # big (256 B) travels alone; the small ones before and after it share one bucket.
     assert [[s.name for s in b] for b in plan.buckets] == [["big"], ["a", "b", "c"]]
     assert [[s.name for s in b] for b in BucketPlan.build(specs, bucket_bytes=1024).buckets] == [["a", "big", "b", "c"]]
-
-
-def test_raw_sizes_cut_the_bytes_into_buckets():
-    assert raw_sizes(10, 4) == [4, 4, 2] and raw_sizes(8, 4) == [4, 4] and raw_sizes(3, 4) == [3]
 
 
 def test_receive_buffers_take_turns_and_grow():

@@ -125,7 +125,7 @@ def test_the_server_bodies_are_the_request_types_a_remote_agent_sends():
 
     from asyncrl.agents import api
     from asyncrl.agents.server import create_app
-    from asyncrl.engine.inference import Endpoint
+    from asyncrl.inference.protocol import Endpoint
     from asyncrl.types import SamplingSpec
 
     app = create_app(SimpleNamespace(agents={}), TOKEN).app
@@ -153,7 +153,7 @@ def test_a_remote_agent_is_served_problems_groups_and_a_greedy_only_evaluation(s
 
     from asyncrl.agents.remote import RemoteAgent, RemoteParams
     from asyncrl.config.schema import AgentConfig, Config
-    from asyncrl.engine.inference import Endpoint
+    from asyncrl.inference.protocol import Endpoint
 
     monkeypatch.setenv("ASYNCRL_ENV_TOKEN", TOKEN)
     remote = RemoteAgent(AgentConfig(env_id="words", type="remote"),

@@ -62,7 +62,7 @@ def test_the_client_reads_vllm_token_ids_and_logprobs(vllm_server, base_model):
     from transformers import AutoTokenizer
 
     from asyncrl.agents.openai_inference import OpenAIInference
-    from asyncrl.engine.inference import Endpoint
+    from asyncrl.inference.protocol import Endpoint
     from asyncrl.types import SamplingSpec
 
     tok = AutoTokenizer.from_pretrained(base_model)

@@ -13,9 +13,10 @@ import time
 import pytest
 
 from asyncrl.agents.registry import build_agents
-from asyncrl.config import load_config
+from asyncrl.messages import Failure
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource, score_answer
 from tests.conftest import ray_engines
 
@@ -74,7 +75,7 @@ def test_groups_are_scored_with_the_task_scorer(cfg, engines, problems):
     # Both engines served; how many each got depends on how fast each answered.
     assert sum(worker.router.assigned) == 32 and min(worker.router.assigned) > 0
     stats = worker.get_stats()
-    assert stats["groups_emitted"] == 8 and stats["trajectories_finished"] == 32 and stats["running_loops"] == 0
+    assert stats.groups_emitted == 8 and stats.trajectories_finished == 32 and stats.running_loops == 0
 
 
 def test_bad_rows_are_rejected_with_counted_reasons(cfg, engines, problems):
@@ -88,10 +89,12 @@ def test_bad_rows_are_rejected_with_counted_reasons(cfg, engines, problems):
     worker, accepted = run_worker(cfg, engines, rows, n=2)
     assert accepted == 1 and len(worker.take_groups()) == 1
     stats = worker.get_stats()
-    assert stats["failed_prompts"]["bad/empty"] == "empty_prompt"
-    assert stats["failed_prompts"]["bad/long"].startswith("prompt_too_long (400 tokens")
-    assert stats["failed_prompts"]["bad/loop"].startswith("unknown_agent_loop (unknown agent loop 'nope'")
-    assert stats["failure_reasons"] == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1}
+    assert stats.failed_prompts["bad/empty"] == Failure("empty_prompt")
+    assert stats.failed_prompts["bad/long"].code == "prompt_too_long"
+    assert stats.failed_prompts["bad/long"].detail.startswith("400 tokens")
+    assert stats.failed_prompts["bad/loop"].code == "unknown_agent_loop"
+    assert stats.failed_prompts["bad/loop"].detail.startswith("unknown agent loop 'nope'")
+    assert stats.failures == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1}
 
 
 def test_a_failing_or_hanging_reward_gives_zero_and_a_counted_reason(cfg, engines, problems):
@@ -105,14 +108,14 @@ def test_a_failing_or_hanging_reward_gives_zero_and_a_counted_reason(cfg, engine
     worker, _ = run_worker(cfg, engines, problems[:2], agents=agents_rewarding_with(cfg, raising), n=2)
     rewards = [t.reward for g in worker.take_groups() for t in g.trajectories]
     assert rewards == [0.0] * 4
-    assert worker.get_stats()["failure_reasons"] == {"reward_error": 4}
+    assert worker.get_stats().failures == {"reward_error": 4}
 
     fast = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, reward_timeout_s=0.2))
     worker, _ = run_worker(fast, engines, problems[:1], agents=agents_rewarding_with(fast, hanging), n=2)
     group = worker.take_groups()[0]
     assert [t.reward for t in group.trajectories] == [0.0, 0.0]
-    assert group.trajectories[0].info["reward_failure"] == "reward_timeout (> 0.2s)"
-    assert worker.get_stats()["failure_reasons"] == {"reward_timeout": 2}
+    assert group.trajectories[0].info["reward_failure"] == "reward_timeout: > 0.2s"
+    assert worker.get_stats().failures == {"reward_timeout": 2}
 
 
 def test_interrupted_loops_are_snapshotted_and_resumed(cfg, engines, problems):
@@ -121,7 +124,7 @@ def test_interrupted_loops_are_snapshotted_and_resumed(cfg, engines, problems):
     async def interrupt_then_resume(worker):
         await worker.interrupt()
         await worker.drain()  # every loop stops at its first transition
-        snapshots_seen.append(worker.get_stats()["snapshots"])
+        snapshots_seen.append(worker.get_stats().snapshots)
         assert worker.take_groups() == []
         assert await worker.resume_interrupted() == 16
 
@@ -133,4 +136,4 @@ def test_interrupted_loops_are_snapshotted_and_resumed(cfg, engines, problems):
         for t in g.trajectories:
             assert t.info["num_interruptions"] == 1 and t.num_response_tokens > 0
     stats = worker.get_stats()
-    assert stats["interruptions"] == 16 and stats["resumes"] == 16
+    assert stats.interruptions == 16 and stats.resumes == 16

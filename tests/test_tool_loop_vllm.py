@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from agent_loops import get_agent_loop
 from agent_loops import tools as tool_registry
 from agent_loops.tools import calculate
+from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.run_config import load_config
-from asyncrl.engine.inference import InferenceInterface
 from asyncrl.tasks import TaskSource
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import assert_same_greedy, ray_engines

@@ -9,7 +9,7 @@ with its reward, the driver draws its problems, and evaluation asks it for metri
   results     a rollout is a `Trajectory` (tokens, logprobs, loss mask, policy versions, reward,
               status, env_id, prompt_id = problem id); grouped rollouts are `TrajectoryGroup`s;
               an evaluation is an `EvaluationResponse` with `metrics()`
-  inference   `InferenceInterface` (asyncrl/engine/inference.py): EngineActors in training, any
+  inference   `InferenceInterface` (asyncrl/inference/protocol.py): EngineActors in training, any
               OpenAI-compatible endpoint for standalone evaluation and on the env server
 
 Agent types are registered by name (asyncrl/agents/registry.py); configs and env-server
@@ -28,7 +28,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import ConfigDict, Field, GetPydanticSchema
 
 from asyncrl.config.schema import AgentConfig, Config
-from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
+from asyncrl.messages import Failure
 from asyncrl.metrics import pass_at_k
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -248,23 +249,23 @@ class Agent(ABC):
         return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
                         env=functools.partial(self.observe, problem))
 
-    async def score(self, problem: Problem, traj: Trajectory) -> str | None:
+    async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward from its decoded response; a reward function that raises or
-        exceeds rollout.reward_timeout_s gives reward 0. Returns the failure reason, or None."""
+        exceeds rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
         response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
         traj.info["response"] = response
         timeout = self.cfg.rollout.reward_timeout_s
-        reason = None
+        failure = None
         try:
             traj.reward = float(await asyncio.wait_for(asyncio.to_thread(self.reward, problem, response), timeout))
         except asyncio.TimeoutError:
-            reason = f"reward_timeout (> {timeout:g}s)"
+            failure = Failure("reward_timeout", f"> {timeout:g}s")
         except Exception as e:  # a buggy reward function must not stop the run
-            reason = f"reward_error: {type(e).__name__}: {e}"
-        if reason is not None:
+            failure = Failure("reward_error", f"{type(e).__name__}: {e}")
+        if failure is not None:
             traj.reward = 0.0
-            traj.info["reward_failure"] = reason
-        return reason
+            traj.info["reward_failure"] = str(failure)
+        return failure
 
     async def rollout(self, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec | None = None,
                       group_id: str = "") -> Trajectory:

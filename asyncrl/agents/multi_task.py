@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from asyncrl.agents.api import Agent, EvaluationResponse
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.tasks import Problem
 
 

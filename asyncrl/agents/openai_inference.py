@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
 
 

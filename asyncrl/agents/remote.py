@@ -29,7 +29,7 @@ from asyncrl.agents.api import (
     Split,
 )
 from asyncrl.config.schema import AgentConfig, Config
-from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, TrajectoryGroup
 

@@ -45,7 +45,7 @@ from asyncrl.agents.api import (
 )
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.openai_inference import OpenAIInference
-from asyncrl.engine.inference import Endpoint
+from asyncrl.inference.protocol import Endpoint
 from asyncrl.types import SamplingSpec
 
 logger = logging.getLogger(__name__)

@@ -14,6 +14,12 @@ from asyncrl.engine.worker_extension import WeightLoaderExtension
 from asyncrl.sync.collective import broadcast_all
 
 
+def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
+    """`total_bytes` cut into buffers of `bucket_bytes` (the last one shorter)."""
+    full, rest = divmod(total_bytes, bucket_bytes)
+    return [bucket_bytes] * full + ([rest] if rest else [])
+
+
 class RawBroadcast:
     """Buffers of the given sizes broadcast all at once. The buffers for each list of sizes
     are allocated and touched once and kept, so that no allocation or page fault is timed."""

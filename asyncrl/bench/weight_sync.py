@@ -32,10 +32,9 @@ import ray
 
 from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
-from asyncrl.bench.raw_broadcast import RawBroadcast
+from asyncrl.bench.raw_broadcast import RawBroadcast, raw_sizes
 from asyncrl.config import Config
 from asyncrl.engine.engine_actor import EngineActor
-from asyncrl.sync.collective import raw_sizes
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup

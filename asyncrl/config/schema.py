@@ -125,8 +125,7 @@ class EngineConfig:
     # CPU, one worker (tensor_parallel_size=1): run the model inside vLLM's engine-core process
     # (vLLM's single-process executor; vLLM-CPU does not support it officially) instead of a
     # separate worker process that the engine core busy-polls through shared memory: 0.5 GiB
-    # and a process less per engine; with generation and training on their own cores it took
-    # chain_sum_cot's sync-vs-async speedup from 1.36 to 1.59 (docs/benchmarks.md).
+    # and a process less per engine (chain_sum_cot turns it on: docs/benchmarks.md).
     cpu_model_in_engine_core: bool = False
     # CPU: vLLM-CPU packs each linear weight for oneDNN, and must pack again after every
     # weight sync (most of a sync's time here). false keeps the plain weights and multiplies

@@ -17,7 +17,7 @@ Request lifecycle (`generate`):
   4) The request leaves the outstanding set.
 
 Rollout workers reach `generate` over the engine's request channel (`open_channel()`,
-asyncrl/engine/channel.py), which costs a tenth of a Ray call a request; it is a Ray method too.
+asyncrl/inference/channel.py), which costs a tenth of a Ray call a request; it is a Ray method too.
 
 Weight updates: `update_weights(version)` (pause -> the trainer's broadcast, see asyncrl.sync
 -> resume, in one call) or `pause(mode)` -> `load_weights(state_dict, version)` -> `resume()`. Names and
@@ -41,9 +41,9 @@ import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
-from asyncrl.engine.channel import ChannelAddress, ChannelServer
 from asyncrl.engine.vllm_compat import max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
+from asyncrl.inference.channel import ChannelAddress, ChannelServer
 from asyncrl.messages import EngineStartInfo, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
@@ -129,7 +129,7 @@ class EngineActor:
 
     async def open_channel(self) -> ChannelAddress:
         """Where rollout workers send `generate` requests without a Ray call each
-        (asyncrl.engine.channel); started on the first call."""
+        (asyncrl.inference.channel); started on the first call."""
         if self._channel_address is None:
             import ray
 

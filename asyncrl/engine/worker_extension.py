@@ -18,7 +18,6 @@ from asyncrl.engine.load_plan import LoadPlan
 from asyncrl.sync.collective import (
     DTYPES,
     BucketPlan,
-    RawBroadcast,
     ReceiveBuffers,
     create_group,
     receive_buckets,
@@ -33,7 +32,6 @@ class WeightLoaderExtension:
     _asyncrl_prepack = True  # vLLM-CPU: pack linear weights for oneDNN after each load (see after_direct_load)
     _asyncrl_plan: LoadPlan | None = None  # the copies of the last captured load (load_plan.py)
     _asyncrl_capture = True  # false once a capture failed: the model's loads cannot be replayed
-    _asyncrl_raw: RawBroadcast | None = None  # the benchmark's baseline broadcast
     _asyncrl_buffers: ReceiveBuffers | None = None  # kept between syncs (collective.py)
     _asyncrl_bucket_plan: BucketPlan | None = None  # the trainer's, from asyncrl_init_weight_group
     _asyncrl_replay_cache: tuple | None = None  # (captured plan, replay or None, destinations): _asyncrl_replay
@@ -109,12 +107,6 @@ class WeightLoaderExtension:
             destinations = captured.destinations({n: DTYPES[d] for n, (_, d) in specs.items()}) if fits else {}
             self._asyncrl_replay_cache = (captured, captured if fits else None, destinations)
         return self._asyncrl_replay_cache[1], self._asyncrl_replay_cache[2]
-
-    def asyncrl_receive_raw(self, sizes: list[int]) -> None:
-        """Take part in a raw broadcast of buffers of these sizes (the weight-sync benchmark's baseline)."""
-        if self._asyncrl_raw is None:
-            self._asyncrl_raw = RawBroadcast(vllm_compat.worker_device(self))
-        self._asyncrl_raw.run(self._asyncrl_group, sizes)
 
     def asyncrl_parent_pid(self) -> int:
         """The parent of the process the model runs in: the engine actor when the model is in vLLM's

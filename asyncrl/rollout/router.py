@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.engine.channel import EngineChannel
-from asyncrl.engine.inference import InferenceInterface
+from asyncrl.inference.channel import EngineChannel
+from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
 
 

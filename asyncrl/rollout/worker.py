@@ -26,11 +26,10 @@ its requests across weight syncs.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agent_loops import get_agent_loop
@@ -39,7 +38,8 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
-from asyncrl.engine.gateway import InferenceGateway
+from asyncrl.messages import Failure, WorkerStats
+from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
 from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -60,20 +60,6 @@ class _PendingGroup:
         return all(t is not None for t in self.trajectories)
 
 
-@dataclass
-class WorkerStats:
-    """Counters a worker reports; failure reasons are counted, never silent."""
-
-    prompts_submitted: int = 0
-    groups_emitted: int = 0
-    trajectories_finished: int = 0
-    interruptions: int = 0
-    resumes: int = 0
-    generated_tokens: int = 0
-    failed_prompts: dict[str, str] = field(default_factory=dict)  # prompt id -> reason
-    failure_reasons: collections.Counter = field(default_factory=collections.Counter)
-
-
 class RolloutWorker:
     """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
 
@@ -88,7 +74,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-        self.stats = WorkerStats()
+        self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
         self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
         self._interrupt = asyncio.Event()
         self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
@@ -163,36 +149,35 @@ class RolloutWorker:
         groups, self._groups = self._groups, []
         return groups
 
-    def get_stats(self) -> dict[str, Any]:
-        s = self.stats
-        return {
-            "prompts_submitted": s.prompts_submitted, "groups_emitted": s.groups_emitted,
-            "trajectories_finished": s.trajectories_finished, "interruptions": s.interruptions,
-            "resumes": s.resumes, "generated_tokens": s.generated_tokens, "running_loops": len(self._tasks),
-            "snapshots": len(self._snapshots), "failed_prompts": dict(s.failed_prompts),
-            "failure_reasons": dict(s.failure_reasons), "engine_outstanding": list(self.router.outstanding),
-        }
+    def get_stats(self) -> WorkerStats:
+        return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
+                       failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
+                       engine_outstanding=list(self.router.outstanding))
+
+    def _count(self, failure: Failure) -> None:
+        self.stats.failures[failure.code] = self.stats.failures.get(failure.code, 0) + 1
 
     # -- one problem, one sample -------------------------------------------------------
 
     def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
         """The row's pending group, or None with a counted reason."""
         ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
-        reason, agent, loop_name = None, None, problem.agent_loop
+        failure, agent, loop_name = None, None, problem.agent_loop
         try:
             agent = self.agents.agent_for(problem)
             loop_name = problem.agent_loop or agent.agent_loop
             get_agent_loop(loop_name)
         except KeyError as e:
-            reason = f"unknown_env ({e.args[0]})" if agent is None else f"unknown_agent_loop ({e.args[0]})"
-        if reason is None and not ids:
-            reason = "empty_prompt"
-        elif reason is None and len(ids) >= self.cfg.engine.max_model_len:
-            reason = f"prompt_too_long ({len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len})"
-        if reason is not None:
-            self.stats.failed_prompts[problem.prompt_id] = reason
-            self.stats.failure_reasons[reason.split(" ")[0]] += 1
-            logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, reason)
+            failure = Failure("unknown_env" if agent is None else "unknown_agent_loop", str(e.args[0]))
+        if failure is None and not ids:
+            failure = Failure("empty_prompt")
+        elif failure is None and len(ids) >= self.cfg.engine.max_model_len:
+            failure = Failure("prompt_too_long",
+                              f"{len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len}")
+        if failure is not None:
+            self.stats.failed_prompts[problem.prompt_id] = failure
+            self._count(failure)
+            logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, failure)
             return None
         group_id = f"{problem.prompt_id}@w{self.worker_id}.{next(self._group_counter)}"
         return _PendingGroup(group_id, problem, agent, loop_name, ids, [None] * n)
@@ -211,9 +196,9 @@ class RolloutWorker:
             except Exception as e:  # an engine or loop error fails this sample, not the worker
                 logger.exception("worker-%d: loop %s failed on %s", self.worker_id, group.loop_name, group.group_id)
                 traj = start if isinstance(start, Trajectory) else start.trajectory
-                reason = f"loop_error: {type(e).__name__}: {e}"
-                traj.status, traj.failure_reason = TrajectoryStatus.FAILED, reason
-                self.stats.failure_reasons["loop_error"] += 1
+                failure = Failure("loop_error", f"{type(e).__name__}: {e}")
+                traj.status, traj.failure_reason = TrajectoryStatus.FAILED, str(failure)
+                self._count(failure)
                 await self._finish(group, index, traj)
                 return
         if outcome.snapshot is not None:  # 3)
@@ -222,10 +207,10 @@ class RolloutWorker:
             return
         traj = outcome.trajectory
         traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.time() - t0
-        reason = await group.agent.score(group.problem, traj)  # 4)
-        if reason is not None:
-            self.stats.failure_reasons[reason.split(" ")[0].rstrip(":")] += 1
-            logger.warning("worker-%d: %s on %s", self.worker_id, reason, traj.prompt_id)
+        failure = await group.agent.score(group.problem, traj)  # 4)
+        if failure is not None:
+            self._count(failure)
+            logger.warning("worker-%d: %s on %s", self.worker_id, failure, traj.prompt_id)
         await self._finish(group, index, traj)
 
     def _spawn_remote(self, group: _PendingGroup, n: int) -> None:
@@ -238,10 +223,11 @@ class RolloutWorker:
                     trajs = done.trajectories
                 except Exception as e:  # the server or the network failed: a failed group, counted
                     logger.warning("worker-%d: remote group %s failed: %s", self.worker_id, group.group_id, e)
-                    self.stats.failure_reasons["remote_error"] += 1
+                    failure = Failure("remote_error", str(e))
+                    self._count(failure)
                     trajs = [Trajectory(group.problem.prompt_id, group.group_id, list(group.prompt_token_ids),
                                         status=TrajectoryStatus.FAILED, env_id=group.agent.env_id,
-                                        failure_reason=f"remote_error: {e}") for _ in range(n)]
+                                        failure_reason=str(failure)) for _ in range(n)]
             for i, t in enumerate(trajs):
                 await self._finish(group, i, t)
 
@@ -263,9 +249,3 @@ class RolloutWorker:
         else:
             await self.sink.put.remote(done)  # waits while the queue is full
         self._pending.pop(group.group_id, None)
-
-
-def rollout_worker_options(cfg: Config, worker_id: int) -> dict[str, Any]:
-    """Ray actor options: named for the dashboard, sized by config, many concurrent calls."""
-    return {"name": f"rollout-worker-{worker_id}", "num_cpus": cfg.rollout.num_cpus_per_worker,
-            "max_concurrency": 1000}

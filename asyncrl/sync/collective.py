@@ -277,28 +277,6 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
         yield tensors, in_place, bucket_checksums(buffer, bucket, scratch)
 
 
-def raw_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
-    """`total_bytes` cut into buffers of `bucket_bytes` (the last one shorter)."""
-    full, rest = divmod(total_bytes, bucket_bytes)
-    return [bucket_bytes] * full + ([rest] if rest else [])
-
-
-class RawBroadcast:
-    """The weight-sync benchmark's baseline: buffers of the given sizes broadcast all at
-    once, no model behind them. The buffers for each list of sizes are allocated and touched
-    once and kept, so that no allocation or page fault is timed."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}
-
-    def run(self, group, sizes: list[int]) -> None:
-        key = tuple(sizes)
-        if key not in self.buffers:
-            self.buffers[key] = [torch.zeros(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        broadcast_all(group, self.buffers[key])
-
-
 def broadcast_all(group, buffers: list[torch.Tensor]) -> None:
     """Broadcast from group rank 0, all posted at once (one broadcast waited for before the
     next is posted costs a round of scheduling latency each)."""

@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.engine.inference import Endpoint, InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
 
 

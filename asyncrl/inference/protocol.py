@@ -4,7 +4,7 @@ Token in, token out: a prompt is token ids; the result carries every sampled tok
 its logprob and the policy version that produced it (`GenerationResult`). Agent loops
 depend on this, not on `EngineActor`. Implementations:
   - `StickyEngineClient` (asyncrl/rollout/router.py): one EngineActor over its request channel
-    (asyncrl/engine/channel.py), in training;
+    (asyncrl/inference/channel.py), in training;
   - `OpenAIInference` (asyncrl/agents/openai_inference.py): any OpenAI-compatible completions
     endpoint over HTTP (`vllm serve`, or a rollout worker's inference gateway).
 """
