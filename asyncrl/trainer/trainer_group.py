@@ -57,11 +57,12 @@ class TrainerGroup:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> str:
-        """`extra`: the caller's own state (plain data), given back by `load_checkpoint`."""
-        return self._call("save_checkpoint", path, extra)
+    def save_checkpoint(self, path: str) -> str:
+        """Model, optimizer and scheduler state (a megatron distributed checkpoint) into `path`."""
+        return self._call("save_checkpoint", path)
 
-    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> int:
+        """The state `save_checkpoint` wrote; returns the trainer's step."""
         return self._call("load_checkpoint", path, load_optimizer)
 
     def call(self, method: str, *args: Any) -> Any:
