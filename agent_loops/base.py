@@ -8,13 +8,18 @@ A loop is started on a trajectory that holds only the prompt, or resumed from an
     the in-flight request with finish_reason "abort") or from the worker setting
     `interrupt` (checked before each state transition, so a running tool call
     completes before the snapshot is taken).
+
+`AgentLoop.resume` drives the state machine: before each state it checks `interrupt`,
+then runs the method named after the state, which ends the loop (a `LoopOutcome`) or
+moves it on (sets `snapshot.state`, returns None). Every loop shares the generating
+state; a loop adds its other states and says, in `generated`, what a finished
+generation leads to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,11 +39,14 @@ class LoopOutcome:
         return self.trajectory is not None
 
 
-class AgentLoop(ABC):
-    """Base class: holds the inference interface, the tokenizer and the sampling settings."""
+class AgentLoop:
+    """Base class: holds the inference interface, the tokenizer and the sampling settings,
+    drives the state machine and runs the generating state."""
 
     name: str = ""
     initial_state: str = "generating"
+    states: tuple[str, ...] = ("generating",)  # each one a method of the same name
+    extra_stop: tuple[str, ...] = ()  # stop strings this loop adds to every request (kept in the output)
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
                  interrupt: asyncio.Event | None = None, env: Any = None):
@@ -55,9 +63,33 @@ class AgentLoop(ABC):
         snapshot = AgentLoopSnapshot(self.name, self.initial_state, trajectory, self.sampling.max_new_tokens)
         return await self.resume(snapshot)
 
-    @abstractmethod
     async def resume(self, snapshot: AgentLoopSnapshot) -> LoopOutcome:
         """Continue from a snapshot in whatever state it was taken."""
+        while True:
+            if self.interrupt.is_set():  # between states: a running tool call has completed
+                return self.interrupted(snapshot, snapshot.state)
+            if snapshot.state not in self.states:
+                raise ValueError(f"{self.name}: unknown state {snapshot.state!r} in snapshot")
+            outcome = await getattr(self, snapshot.state)(snapshot)
+            if outcome is not None:
+                return outcome
+
+    async def generating(self, snapshot: AgentLoopSnapshot) -> LoopOutcome | None:
+        """The generating state: out of budget -> truncated; otherwise generate what remains of
+        the budget, stopping also at `extra_stop`; aborted by the engine -> snapshot (the partial
+        tokens are kept); finished -> `generated` says what next."""
+        if self.budget(snapshot) == 0:
+            return self.finish(snapshot, TrajectoryStatus.TRUNCATED, **snapshot.loop_state)
+        result = await self.generate(snapshot, stop=[*self.sampling.stop, *self.extra_stop])
+        if result.interrupted:
+            return self.interrupted(snapshot, "generating")
+        return self.generated(snapshot, result)
+
+    def generated(self, snapshot: AgentLoopSnapshot, result: GenerationResult) -> LoopOutcome | None:
+        """After a generation that was not aborted. Default: the trajectory ends, truncated if
+        the request hit its token budget."""
+        status = TrajectoryStatus.TRUNCATED if result.finish_reason == "length" else TrajectoryStatus.OK
+        return self.finish(snapshot, status, **snapshot.loop_state)
 
     # -- helpers for subclasses ---------------------------------------------------
 
@@ -77,6 +109,13 @@ class AgentLoop(ABC):
         if result.token_ids:
             t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
         return result
+
+    def append_env(self, snapshot: AgentLoopSnapshot, text: str) -> None:
+        """Append `text` (a tool's output, an environment's reply) as environment tokens (loss
+        mask 0), cut so the response never exceeds the token budget or the context."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.budget(snapshot)]
+        if ids:
+            snapshot.trajectory.segments.append(Segment.from_env(ids))
 
     @staticmethod
     def interrupted(snapshot: AgentLoopSnapshot, state: str) -> LoopOutcome:

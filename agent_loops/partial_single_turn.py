@@ -9,22 +9,12 @@ States: generating -> done.
 
 from __future__ import annotations
 
-from agent_loops.base import AgentLoop, LoopOutcome
+from agent_loops.base import AgentLoop
 from agent_loops.registry import register_agent_loop
-from asyncrl.types import AgentLoopSnapshot, TrajectoryStatus
 
 
 @register_agent_loop("partial_single_turn")
 class PartialSingleTurnLoop(AgentLoop):
-    name = "partial_single_turn"
+    """AgentLoop's generating state alone: a finished generation ends the trajectory."""
 
-    async def resume(self, snapshot: AgentLoopSnapshot) -> LoopOutcome:
-        if self.interrupt.is_set():
-            return self.interrupted(snapshot, "generating")
-        if self.budget(snapshot) == 0:
-            return self.finish(snapshot, TrajectoryStatus.TRUNCATED)
-        result = await self.generate(snapshot)  # 1), 2)
-        if result.interrupted:  # 3)
-            return self.interrupted(snapshot, "generating")
-        status = TrajectoryStatus.TRUNCATED if result.finish_reason == "length" else TrajectoryStatus.OK
-        return self.finish(snapshot, status)  # 4)
+    name = "partial_single_turn"

@@ -4,7 +4,8 @@ The model calls a tool by writing `<tool:NAME>ARGUMENT</tool>`; the loop runs it
 appends `<result>OUTPUT</result>` as environment tokens (loss mask 0, never trained on).
 
 States (snapshot.state):
-  generating     1) ask for what remains of the token budget, stopping at "</tool>";
+  generating     1) ask for what remains of the token budget, stopping at "</tool>"
+                    (AgentLoop.generating);
                  2) aborted by the engine: snapshot here (the partial tokens are kept);
                  3) a call is pending in the *whole* response (a call split by an
                     interruption is still found) -> calling_tools; otherwise done.
@@ -23,7 +24,7 @@ from typing import Any
 from agent_loops.base import AgentLoop, LoopOutcome
 from agent_loops.registry import register_agent_loop
 from agent_loops.tools import call_tool
-from asyncrl.types import AgentLoopSnapshot, Segment, TrajectoryStatus
+from asyncrl.types import AgentLoopSnapshot, GenerationResult, TrajectoryStatus
 
 TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>", re.S)
 TOOL_RESULT = re.compile(r"<result>.*?</result>", re.S)
@@ -33,39 +34,31 @@ CALL_END = "</tool>"
 @register_agent_loop("partial_tool")
 class PartialToolLoop(AgentLoop):
     name = "partial_tool"
+    states = ("generating", "calling_tools")
+    extra_stop = (CALL_END,)
 
     def __init__(self, *args: Any, max_tool_calls: int = 4, tool_timeout_s: float = 30.0, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_tool_calls = max_tool_calls
         self.tool_timeout_s = tool_timeout_s
 
-    async def resume(self, snapshot: AgentLoopSnapshot) -> LoopOutcome:
-        while True:
-            if self.interrupt.is_set():
-                return self.interrupted(snapshot, snapshot.state)
-            if snapshot.state == "generating":
-                if self.budget(snapshot) == 0:
-                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED, **snapshot.loop_state)
-                result = await self.generate(snapshot, stop=[*self.sampling.stop, CALL_END])  # 1)
-                if result.interrupted:  # 2)
-                    return self.interrupted(snapshot, "generating")
-                if self.pending_call(snapshot) is None:  # 3)
-                    length = result.finish_reason == "length"
-                    status = TrajectoryStatus.TRUNCATED if length else TrajectoryStatus.OK
-                    return self.finish(snapshot, status, **snapshot.loop_state)
-                snapshot.state = "calling_tools"
-            elif snapshot.state == "calling_tools":
-                calls_done = snapshot.loop_state.get("tool_calls", 0)
-                if calls_done >= self.max_tool_calls:
-                    return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls",
-                                       **snapshot.loop_state)
-                name, argument = self.pending_call(snapshot)
-                output = await call_tool(name, argument, self.tool_timeout_s)  # 4)
-                self.append_tool_output(snapshot, output)
-                snapshot.loop_state["tool_calls"] = calls_done + 1
-                snapshot.state = "generating"
-            else:
-                raise ValueError(f"partial_tool: unknown state {snapshot.state!r} in snapshot")
+    def generated(self, snapshot: AgentLoopSnapshot, result: GenerationResult) -> LoopOutcome | None:
+        if self.pending_call(snapshot) is None:  # 3)
+            return super().generated(snapshot, result)
+        snapshot.state = "calling_tools"
+        return None
+
+    async def calling_tools(self, snapshot: AgentLoopSnapshot) -> LoopOutcome | None:
+        calls_done = snapshot.loop_state.get("tool_calls", 0)
+        if calls_done >= self.max_tool_calls:
+            return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls",
+                               **snapshot.loop_state)
+        name, argument = self.pending_call(snapshot)
+        output = await call_tool(name, argument, self.tool_timeout_s)  # 4)
+        self.append_env(snapshot, f"<result>{output}</result>")
+        snapshot.loop_state["tool_calls"] = calls_done + 1
+        snapshot.state = "generating"
+        return None
 
     def pending_call(self, snapshot: AgentLoopSnapshot) -> tuple[str, str] | None:
         """The first tool call in the whole response that has no result yet."""
@@ -73,9 +66,3 @@ class PartialToolLoop(AgentLoop):
         calls = TOOL_CALL.findall(TOOL_RESULT.sub("", text))
         done = snapshot.loop_state.get("tool_calls", 0)
         return calls[done] if len(calls) > done else None
-
-    def append_tool_output(self, snapshot: AgentLoopSnapshot, output: str) -> None:
-        ids = self.tokenizer.encode(f"<result>{output}</result>", add_special_tokens=False)
-        ids = ids[: self.budget(snapshot)]  # never beyond the token budget or the context
-        if ids:
-            snapshot.trajectory.segments.append(Segment.from_env(ids))

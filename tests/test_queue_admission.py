@@ -93,3 +93,24 @@ def test_ledger_keeps_each_prompt_in_exactly_one_state():
         ledger.admit("a")
     with pytest.raises(ValueError, match="not running"):
         ledger.finish("a", "trained")
+
+
+def test_admission_over_versions_with_a_sync_every_two_steps():
+    # eta = 1, B = 4, k = 2: (1 + v + 1) * 2 * 4 = 16, 24, 32, 40 prompts by versions 0..3, so
+    # each sync (k * B = 8 prompts trained) lets 8 more start.
+    s = StalenessController(max_staleness=1, prompts_per_step=4, sync_every_steps=2)
+    started_at = []  # the version each prompt started at, in admission order
+    for v in range(4):
+        n = s.admissible(v)
+        s.on_admitted(n, v)
+        started_at += [v] * n
+    assert [started_at.count(v) for v in range(4)] == [16, 8, 8, 8] and s.admitted == 40
+    # Prompt a (1-based) is trained in step ceil(a / B), which runs at version (step - 1) // k:
+    # prompt 16 starts at v0 and is trained in step 4 at v1; prompt 24 starts at v1, step 6, v2.
+    trained_at = [((a + 3) // 4 - 1) // 2 for a in range(1, 41)]
+    staleness = [t - v for t, v in zip(trained_at, started_at)]
+    assert max(staleness) == 1 and min(staleness) == 0  # the bound eta holds, and is reached
+
+    partial = StalenessController(max_staleness=1, prompts_per_step=4, sync_every_steps=2)
+    partial.on_admitted(10, 0)
+    assert partial.admissible(0) == 6 and partial.admissible(1) == 14  # what is left, then a sync's worth more

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from asyncrl.agents.registry import build_agents
 from asyncrl.messages import Failure
-from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.recipe_hooks import load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource, score_answer
 from tests.conftest import ray_engines
+from tests.test_rollout_worker_logic import with_reward
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +37,6 @@ def engines(cfg):
 @pytest.fixture(scope="module")
 def problems(cfg):
     return TaskSource(cfg.data).heldout[:8]
-
-
-def agents_rewarding_with(cfg, reward):
-    """The recipe's agent with its reward replaced."""
-    agents = build_agents(cfg)
-    agent = agents[cfg.recipe.name]
-    agent.hooks = RecipeHooks("test", agent.hooks.extract_answer, reward)
-    return agents
 
 
 def run_worker(cfg, engines, problems, agents=None, n=4, before_drain=None):
@@ -105,13 +97,13 @@ def test_a_failing_or_hanging_reward_gives_zero_and_a_counted_reason(cfg, engine
         time.sleep(3)
         return 1.0
 
-    worker, _ = run_worker(cfg, engines, problems[:2], agents=agents_rewarding_with(cfg, raising), n=2)
+    worker, _ = run_worker(cfg, engines, problems[:2], agents=with_reward(cfg, raising), n=2)
     rewards = [t.reward for g in worker.take_groups() for t in g.trajectories]
     assert rewards == [0.0] * 4
     assert worker.get_stats().failures == {"reward_error": 4}
 
     fast = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, reward_timeout_s=0.2))
-    worker, _ = run_worker(fast, engines, problems[:1], agents=agents_rewarding_with(fast, hanging), n=2)
+    worker, _ = run_worker(fast, engines, problems[:1], agents=with_reward(fast, hanging), n=2)
     group = worker.take_groups()[0]
     assert [t.reward for t in group.trajectories] == [0.0, 0.0]
     assert group.trajectories[0].info["reward_failure"] == "reward_timeout: > 0.2s"

@@ -11,6 +11,8 @@ with its reward, the driver draws its problems, and evaluation asks it for metri
               an evaluation is an `EvaluationResponse` with `metrics()`
   inference   `InferenceInterface` (asyncrl/inference/protocol.py): EngineActors in training, any
               OpenAI-compatible endpoint for standalone evaluation and on the env server
+  one sample  `run_sample`: the loop (started or resumed), then the reward, with failures as
+              `Failure`s; `Agent.rollout` and the rollout workers both run samples through it
 
 Agent types are registered by name (asyncrl/agents/registry.py); configs and env-server
 requests can only name registered types and configured env ids.
@@ -19,7 +21,9 @@ requests can only name registered types and configured env ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -32,7 +36,9 @@ from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Failure
 from asyncrl.metrics import pass_at_k
 from asyncrl.tasks import Problem
-from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
+from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+logger = logging.getLogger(__name__)
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = get_args(Split)
@@ -272,17 +278,13 @@ class Agent(ABC):
         """Run the problem's loop to the end (never interrupted) and score it. A loop that raises
         gives a failed trajectory."""
         ids = self.tokenizer.encode(problem.prompt)
-        traj = Trajectory(problem.prompt_id, group_id or problem.prompt_id, ids, env_id=self.env_id)
-        t0 = time.time()
-        try:
-            outcome = await self.make_loop(problem, inference, sampling or self.sampling()).run(traj)
-        except Exception as e:
-            traj.status, traj.failure_reason = TrajectoryStatus.FAILED, f"loop_error: {type(e).__name__}: {e}"
-            return traj
-        traj = outcome.trajectory
-        traj.timings["generate_s"] = time.time() - t0
-        await self.score(problem, traj)
-        return traj
+        start = Trajectory(problem.prompt_id, group_id or problem.prompt_id, ids, env_id=self.env_id)
+        done = await run_sample(self, problem, inference, sampling or self.sampling(), start)
+        if done.trajectory is None:
+            raise RuntimeError(f"env {self.env_id!r}: the inference aborted a request of {problem.prompt_id}; "
+                               "Agent.rollout cannot resume it: generate through an interface that waits out "
+                               "weight syncs (a rollout worker's gateway)")
+        return done.trajectory
 
     async def grouped_rollout(self, problem: Problem, group_size: int, inference: InferenceInterface,
                               group_id: str = "", sampling: SamplingSpec | None = None) -> TrajectoryGroup:
@@ -317,3 +319,48 @@ class Agent(ABC):
             raise KeyError(f"env {self.env_id!r} has no {split} problem {missing[0]!r}"
                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         return [by_id[i] for i in problem_ids]
+
+
+# -- one sample: the loop, then the reward -----------------------------------------------
+
+@dataclass
+class SampleOutcome:
+    """How one sample ended: a finished trajectory (scored, or failed), or the snapshot of an
+    interrupted loop (not scored)."""
+
+    trajectory: Trajectory | None = None
+    snapshot: AgentLoopSnapshot | None = None
+    # loop_error (the trajectory failed), reward_error or reward_timeout (reward 0); None: none
+    failure: Failure | None = None
+
+
+async def run_sample(agent: Agent, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec,
+                     start: Trajectory | AgentLoopSnapshot, interrupt: asyncio.Event | None = None,
+                     slots: asyncio.Semaphore | None = None) -> SampleOutcome:
+    """Run one sample of `problem` with `agent`'s loop and reward: the rollout worker's and
+    `Agent.rollout`'s one path.
+
+      1) Start the loop on `start` (a trajectory holding only the prompt) or resume `start`
+         (a snapshot), holding one of `slots` if given (they bound concurrent loops; scoring
+         does not hold one).
+      2) Interrupted (the engine aborted, or `interrupt` was set): return the snapshot.
+      3) A loop that raises: the trajectory fails with a loop_error.
+      4) Finished: add this run's time to timings["generate_s"] and score the trajectory; a
+         reward that raises or times out gives 0 and the failure.
+    """
+    traj = start if isinstance(start, Trajectory) else start.trajectory
+    async with slots or contextlib.nullcontext():
+        t0 = time.time()
+        try:
+            loop = agent.make_loop(problem, inference, sampling, interrupt)
+            outcome = await (loop.run(start) if isinstance(start, Trajectory) else loop.resume(start))  # 1)
+        except Exception as e:  # an engine or loop error fails this sample, not its caller
+            logger.exception("env %s: the agent loop failed on %s", agent.env_id, traj.group_id)
+            failure = Failure("loop_error", f"{type(e).__name__}: {e}")
+            traj.status, traj.failure_reason = TrajectoryStatus.FAILED, str(failure)  # 3)
+            return SampleOutcome(traj, failure=failure)
+    if outcome.snapshot is not None:  # 2)
+        return SampleOutcome(snapshot=outcome.snapshot)
+    traj = outcome.trajectory
+    traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.time() - t0
+    return SampleOutcome(traj, failure=await agent.score(problem, traj))  # 4)

@@ -9,14 +9,16 @@ keeps them for `take_groups()`. Keeps the snapshots of interrupted loops until
 
 Lifecycle of a submitted problem:
   1) Check the row: an empty prompt, a prompt that leaves no room in the context, or
-     an unknown agent loop fails the prompt with a counted reason (no group emitted).
+     an unknown env or agent loop fails the prompt with a counted `Failure` (no group
+     emitted).
   2) Start n loops, at most `rollout.max_concurrent_loops` at a time in this worker,
-     each on the engine the router picks.
+     each on the engine the router picks. Steps 2-4 of one sample are `run_sample`
+     (asyncrl/agents/api.py); the worker keeps the slots, snapshots, groups and counts.
   3) A loop that is interrupted (engine paused with abort, or `interrupt()`) leaves a
      snapshot; `resume_interrupted()` continues it, on any engine.
   4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
-     failure reason. A loop that raises becomes a failed trajectory, never a crash.
+     failure. A loop that raises becomes a failed trajectory (counted), never a crash.
   5) When all n trajectories are finished, the group goes to the sink.
 A remote agent's group is one HTTP request to its env server instead (steps 2-4 happen
 there); the server generates through this worker's inference gateway, which carries
@@ -29,15 +31,17 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from agent_loops import get_agent_loop
-from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer
+from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
+from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.messages import Failure, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
@@ -52,7 +56,6 @@ class _PendingGroup:
     group_id: str
     problem: Problem
     agent: Agent
-    loop_name: str
     prompt_token_ids: list[int]
     trajectories: list[Trajectory | None]
 
@@ -64,11 +67,16 @@ class RolloutWorker:
     """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
 
     def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
-                 agents: WeightedMultiTask | None = None, sampling: SamplingSpec | None = None):
+                 agents: WeightedMultiTask | None = None, sampling: SamplingSpec | None = None,
+                 inference: Callable[[], InferenceInterface] | None = None):
+        """`engines`: EngineActor handles, routed by an `EngineRouter`. `inference`: where each
+        sample generates instead (called once per sample; tests give a scripted engine and no
+        engines)."""
         self.worker_id = worker_id
         self.cfg = cfg
         bind_this_process(cfg.rollout.cpu_cores)
-        self.router = EngineRouter(engines)
+        self.router = EngineRouter(engines) if inference is None else None
+        self.inference = inference or self.router.client
         self.sink = sink
         self.agents = agents or build_agents(cfg)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
@@ -84,7 +92,7 @@ class RolloutWorker:
         self._group_counter = itertools.count()
         # Engines behind one routed interface that waits out weight syncs: evaluation, and
         # (served over HTTP on first use) the env servers of remote agents.
-        self.gateway = InferenceGateway(self.router.client, self.tokenizer, self._resumed)
+        self.gateway = InferenceGateway(self.inference, self.tokenizer, self._resumed)
 
     # -- driver-facing API -----------------------------------------------------------
 
@@ -152,7 +160,7 @@ class RolloutWorker:
     def get_stats(self) -> WorkerStats:
         return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
                        failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
-                       engine_outstanding=list(self.router.outstanding))
+                       engine_outstanding=list(self.router.outstanding) if self.router else [])
 
     def _count(self, failure: Failure) -> None:
         self.stats.failures[failure.code] = self.stats.failures.get(failure.code, 0) + 1
@@ -162,11 +170,10 @@ class RolloutWorker:
     def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
         """The row's pending group, or None with a counted reason."""
         ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
-        failure, agent, loop_name = None, None, problem.agent_loop
+        failure, agent = None, None
         try:
             agent = self.agents.agent_for(problem)
-            loop_name = problem.agent_loop or agent.agent_loop
-            get_agent_loop(loop_name)
+            get_agent_loop(problem.agent_loop or agent.agent_loop)
         except KeyError as e:
             failure = Failure("unknown_env" if agent is None else "unknown_agent_loop", str(e.args[0]))
         if failure is None and not ids:
@@ -180,7 +187,7 @@ class RolloutWorker:
             logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, failure)
             return None
         group_id = f"{problem.prompt_id}@w{self.worker_id}.{next(self._group_counter)}"
-        return _PendingGroup(group_id, problem, agent, loop_name, ids, [None] * n)
+        return _PendingGroup(group_id, problem, agent, ids, [None] * n)
 
     def _spawn(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         task = asyncio.get_running_loop().create_task(self._run_sample(group, index, start))
@@ -188,30 +195,16 @@ class RolloutWorker:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_sample(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
-        async with self._slots:
-            loop = group.agent.make_loop(group.problem, self.router.client(), self.sampling, self._interrupt)
-            t0 = time.time()
-            try:
-                outcome = await (loop.run(start) if isinstance(start, Trajectory) else loop.resume(start))
-            except Exception as e:  # an engine or loop error fails this sample, not the worker
-                logger.exception("worker-%d: loop %s failed on %s", self.worker_id, group.loop_name, group.group_id)
-                traj = start if isinstance(start, Trajectory) else start.trajectory
-                failure = Failure("loop_error", f"{type(e).__name__}: {e}")
-                traj.status, traj.failure_reason = TrajectoryStatus.FAILED, str(failure)
-                self._count(failure)
-                await self._finish(group, index, traj)
-                return
-        if outcome.snapshot is not None:  # 3)
+        done = await run_sample(group.agent, group.problem, self.inference(), self.sampling, start,
+                                self._interrupt, self._slots)
+        if done.snapshot is not None:  # 3)
             self.stats.interruptions += 1
-            self._snapshots.append((group, index, outcome.snapshot))
+            self._snapshots.append((group, index, done.snapshot))
             return
-        traj = outcome.trajectory
-        traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + time.time() - t0
-        failure = await group.agent.score(group.problem, traj)  # 4)
-        if failure is not None:
-            self._count(failure)
-            logger.warning("worker-%d: %s on %s", self.worker_id, failure, traj.prompt_id)
-        await self._finish(group, index, traj)
+        if done.failure is not None:  # 4)
+            self._count(done.failure)
+            logger.warning("worker-%d: %s on %s", self.worker_id, done.failure, group.group_id)
+        await self._finish(group, index, done.trajectory)
 
     def _spawn_remote(self, group: _PendingGroup, n: int) -> None:
         async def run() -> None:

@@ -1,0 +1,283 @@
+"""RolloutWorker's own logic against a scripted engine (tests/scripted_inference.py):
+grouping, scoring, rejected rows, failures by code, interruption and resume, and the
+pending-prompt bookkeeping. No vLLM, no Ray: the worker is a plain class, given an
+`inference` factory instead of engine handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.agents.api import run_sample
+from asyncrl.agents.multi_task import WeightedMultiTask
+from asyncrl.agents.registry import agent_params, build_agents
+from asyncrl.agents.remote import RemoteAgent
+from asyncrl.config.schema import AgentConfig
+from asyncrl.messages import Failure, WorkerStats
+from asyncrl.recipe_hooks import RecipeHooks
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.run_config import load_config
+from asyncrl.tasks import Problem
+from asyncrl.types import Trajectory, TrajectoryStatus
+from tests.scripted_inference import Reply, ScriptedInference
+
+
+@pytest.fixture(scope="module")
+def cfg(base_model):
+    return load_config(["rollout.max_concurrent_loops=16"])
+
+
+@pytest.fixture(scope="module")
+def problems(cfg):
+    agent = build_agents(cfg)[cfg.recipe.name]
+    assert agent.tokenizer is not None  # loaded once here (seconds), shared by every worker and agent
+    return agent.problems("heldout")[:4]
+
+
+class Sink:
+    """Stands in for the message queue's Ray handle: the worker awaits `put.remote(group)`."""
+
+    def __init__(self):
+        self.groups = []
+        self.put = SimpleNamespace(remote=self._put)
+
+    async def _put(self, group):
+        self.groups.append(group)
+
+
+def answering(worker, problems, wrong=(), hold=None, fail=()):
+    """A scripted engine answering each problem "Answer: <its answer>" (a wrong number for the
+    prompt ids in `wrong`; raising for those in `fail`), each reply held until `hold` is set."""
+    by_prompt = {tuple(worker.tokenizer.encode(p.prompt)): p for p in problems}
+
+    def reply(request):
+        p = by_prompt[tuple(request.prompt_token_ids)]
+        if p.prompt_id in fail:
+            raise RuntimeError("engine died")
+        return Reply(f"Answer: {int(p.answer) + 1 if p.prompt_id in wrong else p.answer}", hold=hold)
+
+    return ScriptedInference(reply, worker.tokenizer)
+
+
+def make_worker(cfg, agents=None, sink=None):
+    """A worker whose engine is set afterwards (`worker.engine`): the script needs its tokenizer."""
+    holder = SimpleNamespace(engine=None)
+    worker = RolloutWorker(0, cfg, [], sink=sink, agents=agents or build_agents(cfg), inference=lambda: holder.engine)
+    return worker, holder
+
+
+def run_worker(cfg, problems, n=2, agents=None, sink=None, after_drain=None, **script):
+    """Submit `problems` (n samples each) to a worker answering them (`answering(**script)`),
+    drain it, call `after_drain`; returns the worker and its engine."""
+    async def go():
+        worker, holder = make_worker(cfg, agents=agents, sink=sink)
+        holder.engine = answering(worker, problems, **script)
+        await worker.submit(problems, n=n)
+        await worker.drain()
+        if after_drain is not None:
+            after_drain()
+        return worker, holder.engine
+
+    return asyncio.run(go())
+
+
+def with_reward(cfg, reward):
+    """The recipe's agents with the reward replaced."""
+    agents = build_agents(cfg)
+    agent = agents[cfg.recipe.name]
+    agent.hooks = RecipeHooks("test", agent.hooks.extract_answer, reward)
+    return agents
+
+
+def test_groups_of_n_go_to_the_sink_scored_by_the_task_scorer(cfg, problems):
+    wrong, sink = {problems[1].prompt_id, problems[3].prompt_id}, Sink()
+    worker, engine = run_worker(cfg, problems, n=3, sink=sink, wrong=wrong)
+    assert sorted(g.prompt_id for g in sink.groups) == sorted(p.prompt_id for p in problems)
+    assert worker.take_groups() == []  # with a sink, nothing is kept
+    for g in sink.groups:
+        assert len(g.trajectories) == 3 and g.env_id == cfg.recipe.name
+        for t in g.trajectories:
+            assert t.group_id == g.group_id and t.status is TrajectoryStatus.OK
+            assert t.reward == (0.0 if g.prompt_id in wrong else 1.0)
+            assert t.info["response"].startswith("Answer: ") and t.timings["generate_s"] >= 0
+    assert len(engine.requests) == 12
+    assert {r.max_new_tokens for r in engine.requests} == {cfg.rollout.max_new_tokens}
+    stats = worker.get_stats()
+    assert isinstance(stats, WorkerStats)
+    assert (stats.prompts_submitted, stats.groups_emitted, stats.trajectories_finished) == (4, 4, 12)
+    assert stats.generated_tokens == sum(t.num_response_tokens for g in sink.groups for t in g.trajectories)
+    assert (stats.running_loops, stats.snapshots, stats.failures, stats.failed_prompts) == (0, 0, {}, {})
+    assert worker.pending_prompts() == []
+
+
+def test_pending_prompts_and_the_loop_limit(cfg, problems):
+    two = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_concurrent_loops=2))
+
+    async def scenario():
+        worker, holder = make_worker(two)
+        release = asyncio.Event()
+        holder.engine = engine = answering(worker, problems, hold=release)
+        assert await worker.submit(problems[:2], n=2) == 2
+        await engine.wait_for_requests(2)
+        await asyncio.sleep(0.01)
+        assert len(engine.requests) == 2  # rollout.max_concurrent_loops: the other two wait for a slot
+        assert sorted(worker.pending_prompts()) == sorted(p.prompt_id for p in problems[:2])
+        assert worker.get_stats().running_loops == 4
+        release.set()
+        await worker.drain()
+        assert len(engine.requests) == 4 and worker.pending_prompts() == []
+        return worker
+
+    assert len(asyncio.run(scenario()).take_groups()) == 2
+
+
+def test_bad_rows_are_rejected_with_failure_codes(cfg, problems):
+    good = problems[0]
+    rows = [
+        Problem("bad/empty", "basic_arithmetic", "", "   ", "0"),
+        Problem("bad/long", "basic_arithmetic", "x", "1 + " * 100, "0"),
+        dataclasses.replace(good, prompt_id="bad/loop", agent_loop="nope"),
+        dataclasses.replace(good, prompt_id="bad/env", env_id="nope"),
+        good,
+    ]
+
+    async def scenario():
+        worker, holder = make_worker(cfg)
+        holder.engine = answering(worker, [good])
+        assert await worker.submit(rows, n=2) == 1
+        assert worker.pending_prompts() == [good.prompt_id]
+        await worker.drain()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert [g.prompt_id for g in worker.take_groups()] == [good.prompt_id]
+    stats = worker.get_stats()
+    assert stats.failed_prompts["bad/empty"] == Failure("empty_prompt")
+    assert stats.failed_prompts["bad/long"] == Failure("prompt_too_long", "400 tokens, engine.max_model_len=128")
+    assert stats.failed_prompts["bad/loop"].code == "unknown_agent_loop"
+    assert stats.failed_prompts["bad/loop"].detail.startswith("unknown agent loop 'nope'")
+    assert stats.failed_prompts["bad/env"] == Failure("unknown_env", "unknown env_id 'nope'; this run has arith")
+    assert stats.failures == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1, "unknown_env": 1}
+    assert stats.prompts_submitted == 5 and stats.groups_emitted == 1
+
+
+def test_a_raising_reward_gives_zero_and_a_counted_failure(cfg, problems):
+    def raising(problem, response):
+        raise RuntimeError("scorer bug")
+
+    worker, _ = run_worker(cfg, problems[:2], agents=with_reward(cfg, raising))
+    trajs = [t for g in worker.take_groups() for t in g.trajectories]
+    assert [t.reward for t in trajs] == [0.0] * 4 and {t.status for t in trajs} == {TrajectoryStatus.OK}
+    assert {t.info["reward_failure"] for t in trajs} == {"reward_error: RuntimeError: scorer bug"}
+    assert worker.get_stats().failures == {"reward_error": 4}
+
+
+def test_a_hanging_reward_times_out_to_zero_and_a_counted_failure(cfg, problems):
+    fast = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, reward_timeout_s=0.05))
+    stuck = threading.Event()
+
+    def hanging(problem, response):
+        stuck.wait(5)
+        return 1.0
+
+    # the reward threads are let go before the event loop closes (it waits for them)
+    worker, _ = run_worker(fast, problems[:1], agents=with_reward(fast, hanging), after_drain=stuck.set)
+    (group,) = worker.take_groups()
+    assert [t.reward for t in group.trajectories] == [0.0, 0.0]
+    assert group.trajectories[0].info["reward_failure"] == "reward_timeout: > 0.05s"
+    assert worker.get_stats().failures == {"reward_timeout": 2}
+
+
+def test_a_loop_error_fails_its_trajectories_and_is_counted(cfg, problems):
+    worker, _ = run_worker(cfg, problems[:2], fail={problems[0].prompt_id})
+    by_prompt = {g.prompt_id: g for g in worker.take_groups()}
+    assert len(by_prompt) == 2  # the failed group is still emitted: its prompt is finished, not lost
+    for t in by_prompt[problems[0].prompt_id].trajectories:
+        assert t.status is TrajectoryStatus.FAILED and t.failure_reason == "loop_error: RuntimeError: engine died"
+    assert {t.status for t in by_prompt[problems[1].prompt_id].trajectories} == {TrajectoryStatus.OK}
+    assert worker.get_stats().failures == {"loop_error": 2}
+
+
+def test_interrupted_loops_leave_snapshots_and_resume_for_what_remains(cfg, problems):
+    async def scenario():
+        sink = Sink()
+        worker, holder = make_worker(cfg, sink=sink)
+        sync = asyncio.Event()
+        prompts = {tuple(worker.tokenizer.encode(p.prompt)): p for p in problems[:2]}
+
+        def reply(request):
+            p = prompts.get(tuple(request.prompt_token_ids))
+            if p is not None:  # a first request: aborted by the weight sync once `sync` is set
+                return Reply("Answer", "abort", version=0, hold=sync)
+            return Reply(": " + next(q.answer for k, q in prompts.items()
+                                     if request.prompt_token_ids[:len(k)] == list(k)), version=1)
+
+        holder.engine = engine = ScriptedInference(reply, worker.tokenizer)
+        await worker.submit(problems[:2], n=2)
+        await engine.wait_for_requests(4)
+        await worker.interrupt()
+        sync.set()  # the engines pause in abort mode: in-flight requests end with what they have
+        await worker.drain()
+        stats = worker.get_stats()
+        assert (stats.snapshots, stats.interruptions, stats.running_loops) == (4, 4, 0)
+        assert sink.groups == [] and sorted(worker.pending_prompts()) == sorted(p.prompt_id for p in problems[:2])
+        assert await worker.resume_interrupted() == 4
+        await worker.drain()
+        return worker, engine, sink
+
+    worker, engine, sink = asyncio.run(scenario())
+    assert len(sink.groups) == 2 and worker.pending_prompts() == []
+    for request in engine.requests[4:]:  # resumed: prompt + "Answer", asking only for the rest of the budget
+        assert worker.tokenizer.decode(request.prompt_token_ids).endswith("=\nAnswer")
+        assert request.max_new_tokens == cfg.rollout.max_new_tokens - 6
+    by_id = {p.prompt_id: p for p in problems}
+    for g in sink.groups:
+        for t in g.trajectories:
+            assert t.info["response"] == f"Answer: {by_id[g.prompt_id].answer}" and t.reward == 1.0
+            assert t.versions == [0] * 6 + [1] * (t.num_response_tokens - 6)
+            assert t.info["num_interruptions"] == 1
+    stats = worker.get_stats()
+    assert (stats.resumes, stats.snapshots, stats.groups_emitted, stats.trajectories_finished) == (4, 0, 2, 4)
+
+
+def test_a_remote_group_that_fails_is_counted_as_remote_error(cfg, problems, monkeypatch):
+    monkeypatch.delenv("ASYNCRL_ENV_TOKEN", raising=False)  # the server is never reached
+    spec = AgentConfig(env_id="far", type="remote", weight=1.0, params={"url": "http://127.0.0.1:9"})
+    local = build_agents(cfg)[cfg.recipe.name]
+    agents = WeightedMultiTask([local, RemoteAgent(spec, agent_params(spec), cfg)], block_size=2)
+    problem = dataclasses.replace(problems[0], prompt_id="far:0", env_id="far")  # as RemoteAgent names ids
+
+    async def scenario():
+        worker, holder = make_worker(cfg, agents=agents)
+        holder.engine = answering(worker, [])
+        await worker.submit([problem], n=2)
+        await worker.drain()
+        await worker.gateway.stop()
+        return worker
+
+    worker = asyncio.run(scenario())
+    (group,) = worker.take_groups()
+    assert [t.status for t in group.trajectories] == [TrajectoryStatus.FAILED] * 2
+    assert group.trajectories[0].failure_reason.startswith("remote_error: env 'far': $ASYNCRL_ENV_TOKEN is not set")
+    assert worker.get_stats().failures == {"remote_error": 1}
+
+
+def test_agent_rollout_runs_the_same_sample_path(cfg, problems):
+    agent = build_agents(cfg)[cfg.recipe.name]
+    p = problems[0]
+    engine = ScriptedInference([Reply(f"Answer: {p.answer}"), Reply("Answer", "abort")], agent.tokenizer)
+    t = asyncio.run(agent.rollout(p, engine))
+    assert t.reward == 1.0 and t.group_id == p.prompt_id and t.timings["generate_s"] >= 0
+    with pytest.raises(RuntimeError, match="cannot resume it"):
+        asyncio.run(agent.rollout(p, engine))
+
+    dead = ScriptedInference(lambda request: (_ for _ in ()).throw(RuntimeError("engine died")))
+    start = Trajectory(p.prompt_id, "g", agent.tokenizer.encode(p.prompt))
+    done = asyncio.run(run_sample(agent, p, dead, agent.sampling(), start))
+    assert done.failure == Failure("loop_error", "RuntimeError: engine died")
+    assert done.trajectory.failure_reason == "loop_error: RuntimeError: engine died" and done.snapshot is None
