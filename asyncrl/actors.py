@@ -65,6 +65,13 @@ def queue_capacity(cfg: Config) -> int:
     return (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
 
 
+def engine_concurrency(cfg: Config) -> int:
+    """The most requests one engine can be running: what the workers' loops can send it, at most
+    its own batch (the denominator of the engines' utilization)."""
+    sent = -(-cfg.rollout.num_workers * cfg.rollout.max_concurrent_loops // cfg.engine.num_engines)
+    return max(1, min(cfg.engine.max_num_seqs, sent))
+
+
 # -- placement ------------------------------------------------------------------------
 
 def place(cfg: Config, timeout_s: float = 120) -> Placement:

@@ -32,7 +32,7 @@ from asyncrl import actors
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
-from asyncrl.messages import QueueState, WorkerStats
+from asyncrl.messages import EngineActivity, QueueState, WorkerStats
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.sync.weight_sync import WeightSync
@@ -126,8 +126,8 @@ class Driver:
             return
         if address:  # `ray job submit` or an explicit cluster: join it
             ray.init(address=address, log_to_driver=True)
-        else:
-            ray.init(num_cpus=self.cfg.cluster.num_cpus, num_gpus=self.cfg.cluster.num_gpus or None,
+        else:  # "local": a cluster of our own, even where `ray start` left one running
+            ray.init(address="local", num_cpus=self.cfg.cluster.num_cpus, num_gpus=self.cfg.cluster.num_gpus or None,
                      include_dashboard=self.cfg.cluster.dashboard, log_to_driver=True)
             self._started_ray = True
 
@@ -137,8 +137,8 @@ class Driver:
         cfg = self.cfg
         t = cfg.trainer
         self._admit()
-        last = {"time": time.monotonic(), "busy": self._engine_busy()}
-        started = last["time"]
+        last_time, last_activity = time.monotonic(), self._engine_activity()
+        started = last_time
         for step in range(self.step + 1, t.total_steps + 1):
             if cfg.run.max_train_s and time.monotonic() - started >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
@@ -161,17 +161,20 @@ class Driver:
             if step % cfg.algorithm.sync_every_steps == 0:
                 metrics.update(self._sync())
             self._admit()
-            now, busy = time.monotonic(), self._engine_busy()
-            elapsed = now - last["time"]
+            now, activity = time.monotonic(), self._engine_activity()
+            elapsed = now - last_time
+            engine_s = elapsed * len(self.engines)
             metrics.update({
                 "policy/version": self.version, "batch/dropped_stale": dropped,
                 "throughput/samples_per_s": step_samples / elapsed,
                 "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
-                "idle/engines": 1 - min(1.0, (busy - last["busy"]) / (elapsed * len(self.engines))),
+                "idle/engines": 1 - min(1.0, (activity.busy_s - last_activity.busy_s) / engine_s),
+                "util/engines": min(1.0, (activity.request_s - last_activity.request_s)
+                                    / (engine_s * actors.engine_concurrency(cfg))),
                 "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
                 **self._rollout_metrics(), **ray.get(self.queue.stats.remote()).metrics(),
             })
-            last = {"time": now, "busy": busy}
+            last_time, last_activity = now, activity
             self.train_s = time.monotonic() - started
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
                 metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
@@ -247,8 +250,9 @@ class Driver:
             metrics["sync/resumed_loops"] = sum(ray.get([w.resume_interrupted.remote() for w in self.workers]))
         return metrics
 
-    def _engine_busy(self) -> float:
-        return sum(ray.get([e.busy_seconds.remote() for e in self.engines]))
+    def _engine_activity(self) -> EngineActivity:
+        each = ray.get([e.activity.remote() for e in self.engines])
+        return EngineActivity(sum(a.busy_s for a in each), sum(a.request_s for a in each))
 
     def _rollout_metrics(self) -> dict[str, Any]:
         stats = self._worker_stats()
@@ -380,6 +384,7 @@ def _gauges(m: dict[str, Any]) -> dict[str, float]:
     return {"asyncrl_policy_version": m.get("policy/version"), "asyncrl_staleness_max": m.get("train/staleness_max"),
             "asyncrl_samples_per_s": m.get("throughput/samples_per_s"),
             "asyncrl_trainer_idle_ratio": m.get("idle/trainer"), "asyncrl_engine_idle_ratio": m.get("idle/engines"),
+            "asyncrl_engine_utilization": m.get("util/engines"),
             "asyncrl_reward_mean": m.get("batch/reward_mean")}
 
 

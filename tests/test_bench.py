@@ -10,6 +10,7 @@ from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_ov
 from asyncrl.bench.raw_broadcast import raw_sizes
 from asyncrl.config import ConfigError
 from tests.conftest import run_cli
+from tests.test_train_e2e import check_run
 
 
 def test_bench_settings_are_split_from_the_training_overrides_and_checked():
@@ -56,12 +57,13 @@ def test_unknown_benchmark_is_refused(tmp_path):
 @pytest.mark.slow
 def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "weight-sync", "recipe=arith", "bench.rounds=2", "bench.warmup_rounds=1",
-                  "bench.trainer_steps=1", "algorithm.prompts_per_step=4", "bench.max_new_tokens=8", cwd=tmp_path)
+                  "bench.trainer_steps=1", "algorithm.prompts_per_step=4", "bench.max_new_tokens=8",
+                  "bench.pause_requests=4", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "weight_sync" and result["bytes"] > 4_000_000
     for key in ("sync_s", "paused_s", "raw_broadcast_s", "raw_plan_broadcast_s", "ratio", "stage_s", "load_s",
-                "trainer_tokens_s"):
+                "trainer_tokens_s", "sync_in_flight_s", "paused_in_flight_s"):
         assert result[key] > 0
     # The warm-up sync captured the load; the timed ones replay it (then vLLM-CPU repacks).
     assert len(result["rounds_sync_s"]) == 2 and result["load_path"] == "replay+repack"
@@ -76,16 +78,24 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "sync_vs_async" and result["train_s"] == 8
-    for key in ("sync_samples_per_s", "async_samples_per_s", "speedup"):
+    for key in ("sync_samples_per_s", "async_samples_per_s", "speedup", "sync_tokens_per_s", "async_tokens_per_s",
+                "tokens_speedup"):
         assert result[key] > 0
-    for key in ("async_trainer_idle", "async_engine_idle", "sync_accuracy", "async_accuracy"):
+    for key in ("async_trainer_idle", "async_engine_idle", "sync_accuracy", "async_accuracy", "async_engine_util",
+                "sync_engine_util"):
         assert 0 <= result[key] <= 1
+    # a running request makes an engine busy; utilization also counts how many run
+    assert 0 < result["async_engine_util"] <= 1 - result["async_engine_idle"] + 1e-6
     assert result["sync_steps"] >= 1 and result["async_steps"] >= 1
-    for mode in ("sync", "async"):
-        assert (tmp_path / "runs" / mode / "summary.json").is_file()
-    # the synchronous side unbound, the asynchronous one on the recipe's cores
+    # Its two runs are the end-to-end runs of two modes (tests/test_train_e2e.py): synchronous
+    # on-policy, and fully async with abort-and-resume, generation and training on cores of their own.
+    check_run(tmp_path / "runs" / "sync", eta=0, steps=None, plots=False)
+    check_run(tmp_path / "runs" / "async", eta=2, steps=None, plots=False)
+    # the synchronous side unbound, the asynchronous one on the recipe's cores (every thread of
+    # the engine's processes, and the trainer's, whose TrainerSetupInfo is logged at setup)
     assert result["async_cpu_cores"] == {"engine": "0", "rollout": "0", "trainer": "1"}
     log = out.stdout + out.stderr
     starts = [line for line in log.splitlines() if "engine-0: vLLM started" in line]
     every_core = f"on cores {sorted(os.sched_getaffinity(0))}"
     assert len(starts) == 2 and every_core in starts[0] and "on cores [0]," in starts[1], starts
+    assert "cpu_cores=[1]" in log

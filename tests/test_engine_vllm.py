@@ -147,6 +147,22 @@ def test_requests_sent_around_a_pause_neither_hang_it_nor_get_lost(engines, toke
             assert out.finish_reason in ("abort", "length") and len(out.token_ids) == len(out.logprobs) <= 8
 
 
+def test_activity_counts_busy_time_and_the_requests_running(engines, tokenizer):
+    """busy_s grows while any request runs; request_s by how many run (the utilization's numerator)."""
+    for engine in engines:
+        before = ray.get(engine.activity.remote())
+        ids = tokenizer.encode(PROMPTS[1])
+        refs = [engine.generate.remote(ids, SamplingSpec(max_new_tokens=40, ignore_eos=True), f"act{i}")
+                for i in range(4)]
+        ray.get(refs)
+        after = ray.get(engine.activity.remote())
+        busy, requests = after.busy_s - before.busy_s, after.request_s - before.request_s
+        assert busy > 0
+        assert 2 * busy < requests <= 4 * busy + 1e-6  # four at once most of the time, never more
+        idle = ray.get(engine.activity.remote())
+        assert idle.busy_s == after.busy_s and idle.request_s == after.request_s  # nothing ran since
+
+
 def test_an_engine_that_does_not_stream_refuses_keep_pauses(engines):
     with pytest.raises(ValueError, match="pause\\('keep'\\) needs per-token versions"):
         ray.get(engines[1].pause.remote("keep"))

@@ -18,33 +18,40 @@ TINY_SETTINGS = ["trainer.total_steps=3", "algorithm.prompts_per_step=4", "algor
         "logging.progress_bar=false", "logging.wandb.enabled=false", "cluster.dashboard=false"]
 TINY = ["recipe=arith", *TINY_SETTINGS]
 
+# Each mode once; the other two run in test_bench's sync-vs-async test, which checks the same
+# invariants on its two runs: synchronous on-policy (algorithm.max_staleness=0, no partial
+# rollout), and fully async with abort-and-resume on cores of its own (recipe=chain_sum_cot).
+# A run under `ray job submit` that checkpoints, and a run resumed from that checkpoint, are in
+# test_train_lifecycle.
 MODES = {
-    "sync_on_policy": ["algorithm=sync"],
     "one_step_off_policy": ["algorithm.max_staleness=1", "algorithm.partial_rollout=false"],
-    # with generation and training on cores of their own (the chain_sum_cot recipe's placement)
-    "async_abort_resume": ["algorithm.max_staleness=2", "algorithm.pause_mode=abort", "engine.cpu_cores=0",
-                           "rollout.cpu_cores=0", "trainer.cpu_cores=1"],
     "async_keep": ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo"],
     # arith_tool: the partial_tool loop (calculator calls, tool tokens masked) in training and evaluation
     "tool_loop": ["algorithm.max_staleness=1"],
 }
 
 
-def check_run(run_dir: Path, eta: int) -> dict:
+def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, plots: bool = True) -> dict:
+    """The invariants of a finished run: every admitted prompt accounted for, no trained token
+    staler than eta, a sync after every step. steps=None: as many as the run took (at least 1)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["samples"] > 0
+    steps = steps or summary["steps"]
+    assert summary["steps"] == steps >= 1 and summary["samples"] > 0
     assert 0 <= summary["base_accuracy"] <= 1 and 0 <= summary["final_accuracy"] <= 1
     p = summary["prompts"]
     assert p["admitted"] == p["running"] + p["trained"] + p["filtered"] + p["failed"]
     assert p["running"] == p["queued"] + p["in_workers"]
-    assert p["trained"] + p["filtered"] == 3 * 4  # every group taken from the queue: trained, or filtered with a reason
+    assert p["trained"] + p["filtered"] == steps * batch  # every group taken from the queue: trained, or filtered
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "train/staleness_max" in r]
-    assert len(steps) == 3
-    assert all(r["train/staleness_max"] <= eta for r in steps)
-    assert all(r["policy/version"] == r["step"] for r in steps)  # a sync after every step
+    trained = [r for r in records if "train/staleness_max" in r]
+    assert len(trained) == steps
+    assert all(r["train/staleness_max"] <= eta for r in trained)
+    assert all(r["policy/version"] == r["step"] for r in trained)  # a sync after every step
+    # utilization counts the requests running, so an engine can be busy (not idle) and far from full
+    assert all(0 <= r["util/engines"] <= 1 - r["idle/engines"] + 1e-6 for r in trained)
     assert (run_dir / "final_policy" / "model.safetensors").is_file()
-    assert (run_dir / "plots.png").stat().st_size > 10_000
+    if plots:  # `asyncrl train` draws them; a benchmark's runs have none
+        assert (run_dir / "plots.png").stat().st_size > 10_000
     return summary
 
 
@@ -56,30 +63,4 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
                   timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
-    eta = {"sync_on_policy": 0, "one_step_off_policy": 1, "tool_loop": 1}.get(mode, 2)
-    check_run(run_dir, eta)
-    if mode == "async_abort_resume":  # every thread of the engine's processes, and the trainer's
-        log = out.stdout + out.stderr
-        assert "engine-0: vLLM started" in log and "on cores [0]" in log, log[-3000:]
-        assert "cpu_cores=[1]" in log  # the trainer's TrainerSetupInfo, logged at setup
-
-
-def test_a_run_resumes_from_its_checkpoint(tmp_path):
-    """Checkpoint at step 2 (trainer state, queue contents, ledger), then a new run continues
-    from it to step 4: every prompt is still accounted for."""
-    first = tmp_path / "first"
-    out = run_cli("train", *TINY, "trainer.checkpoint_every=2", f"run.output_dir={first}", cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    ckpt = first / "checkpoints" / "step_000002"
-    assert (ckpt / "trainer_state.pt").is_file() and (ckpt / "queue.json").is_file()
-    second = tmp_path / "second"
-    out = run_cli("train", *TINY, "trainer.total_steps=4", f"run.resume_from={ckpt}", f"run.output_dir={second}",
-                  cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    summary = json.loads((second / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["policy_version"] == 4
-    p = summary["prompts"]
-    assert p["admitted"] == p["running"] + p["trained"] + p["filtered"] + p["failed"]
-    assert p["trained"] + p["filtered"] == 4 * 4  # 2 steps before the checkpoint, 2 after
-    steps = [json.loads(x)["step"] for x in (second / "metrics.jsonl").read_text().splitlines()]
-    assert 3 in steps and 4 in steps and 1 not in steps
+    check_run(run_dir, eta={"async_keep": 2}.get(mode, 1))

@@ -1,7 +1,9 @@
-"""How `asyncrl train` ends when it does not end well, and how it runs under `ray job submit`.
+"""How `asyncrl train` ends when it does not end well, how it runs under `ray job submit`,
+and how a run resumes from a checkpoint.
 
 Ctrl-C and an actor that dies mid-run must both leave no Ray or vLLM process behind; a
-run submitted with `ray job submit` to a `ray start --head` cluster on loopback trains."""
+run submitted with `ray job submit` to a `ray start --head` cluster on loopback trains and
+checkpoints, and a new run continues from its checkpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import ASYNCRL, REPO
+from tests.conftest import ASYNCRL, REPO, run_cli
 from tests.test_train_e2e import TINY, check_run
 
 pytestmark = pytest.mark.slow
@@ -94,22 +96,39 @@ def test_an_actor_that_dies_ends_the_run_with_its_error_and_no_leftovers(tmp_pat
     assert leftovers(before) == {}
 
 
-def test_ray_job_submit_to_a_loopback_cluster(tmp_path):
+def test_a_run_under_ray_job_submit_checkpoints_and_a_new_run_resumes_from_it(tmp_path):
+    """Submitted to a `ray start --head` cluster on loopback, a run checkpoints at step 2
+    (trainer state, queue contents, ledger); a new run continues from it to step 4 and every
+    prompt is still accounted for."""
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     ray_bin = str(Path(sys.executable).parent / "ray")
     port = 6391
     subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", "--dashboard-port=8266", "--disable-usage-stats"],
                    check=True, capture_output=True, env=env, timeout=120)
+    first = tmp_path / "job_run"
     try:
-        run_dir = tmp_path / "job_run"
         cmd = [ray_bin, "job", "submit", "--address=http://127.0.0.1:8266", f"--working-dir={REPO}",
                "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
-               sys.executable, "-m", "asyncrl.cli", "train", *TINY, "cluster.address=auto",
-               f"run.output_dir={run_dir}"]
+               sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
+               "cluster.address=auto", f"run.output_dir={first}"]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "succeeded" in out.stdout and "-> final accuracy" in out.stdout
-        check_run(run_dir, eta=1)
+        check_run(first, eta=1)
     finally:
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+    ckpt = first / "checkpoints" / "step_000002"
+    assert (ckpt / "trainer_state.pt").is_file() and (ckpt / "queue.json").is_file()
+    second = tmp_path / "second"
+    out = run_cli("train", *TINY, "trainer.total_steps=4", f"run.resume_from={ckpt}", f"run.output_dir={second}",
+                  cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["policy_version"] == 4
+    p = summary["prompts"]
+    assert p["admitted"] == p["running"] + p["trained"] + p["filtered"] + p["failed"]
+    assert p["trained"] + p["filtered"] == 4 * 4  # 2 steps before the checkpoint, 2 after
+    steps = [json.loads(x)["step"] for x in (second / "metrics.jsonl").read_text().splitlines()]
+    assert 3 in steps and 4 in steps and 1 not in steps

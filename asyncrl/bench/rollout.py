@@ -7,15 +7,18 @@ In one run, on the same engine configuration, the same prompts and sampling go t
   (a) raw vLLM: an `AsyncLLM` in this process, at most `rollout.max_concurrent_loops`
       requests in flight;
   (b) the full path: RolloutWorker (Ray actor) -> partial_single_turn loop ->
-      EngineActor (Ray actor), with the same concurrency limit.
-Both engines stay up; `bench.rounds` rounds alternate (a) and (b), and the ratio is the
-median of the per-round ratios, so machine noise hits both sides of a ratio alike. Each
-timed run starts `bench.settle_s` after the previous one, once the idle engine's processes
-have stopped polling. Then, on (b)'s engine, `pause` with `bench.pause_requests` requests
-in flight and `resume` are timed: in `abort` mode, and in `keep` mode when
-`algorithm.pause_mode=keep` (only then does the engine stream per-token versions, and (a)
-streams too). Engine start-up and `bench.warmup_rounds` untimed rounds are excluded. The
-last line printed is one JSON object:
+      EngineActor (Ray actor), with the same concurrency limit; the worker puts each
+      finished group into the real MessageQueue (Ray actor), and the round ends when the
+      last group has been taken out of it, as the trainer takes them.
+Both engines stay up; `bench.rounds` rounds run (a) and (b) back to back, which one first
+alternating from round to round, and the ratio is the median of the per-round ratios, so
+machine noise hits both sides of a ratio alike. Each timed run starts `bench.settle_s`
+after the previous one, once the idle engine's processes have stopped polling. Then, on
+(b)'s engine, `pause` with `bench.pause_requests` requests in flight and `resume` are
+timed `bench.rounds` times (the median is reported): in `abort` mode, and in `keep` mode
+when `algorithm.pause_mode=keep` (only then does the engine stream per-token versions, and
+(a) streams too). Engine start-up and `bench.warmup_rounds` untimed rounds are excluded.
+The last line printed is one JSON object:
   {"bench": "rollout", "raw_tok_s", "framework_tok_s", "ratio", "pause_resume_s", ...}
 """
 
@@ -30,11 +33,14 @@ from typing import Any
 
 from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
+from asyncrl.bench.in_flight import start_long_requests
 from asyncrl.config import Config
 from asyncrl.engine.engine_actor import engines_stream
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.tasks import Problem, TaskSource
 from asyncrl.types import SamplingSpec
+
+TAKE_TIMEOUT_S = 600.0  # a round's groups not all in the queue by then: the framework path is stuck
 
 
 def bench_sampling(cfg: Config, bench: BenchConfig) -> SamplingSpec:
@@ -79,33 +85,35 @@ class RawVLLM:
 
 
 class FrameworkPath:
-    """(b): RolloutWorker (Ray actor) -> partial_single_turn -> EngineActor (Ray actor)."""
+    """(b): RolloutWorker (Ray actor) -> partial_single_turn -> EngineActor (Ray actor), and
+    the finished groups through the MessageQueue (Ray actor)."""
 
-    def __init__(self, cfg: Config, sampling: SamplingSpec, stream: bool):
+    def __init__(self, cfg: Config, sampling: SamplingSpec, stream: bool, num_prompts: int):
         one = replace(cfg, engine=replace(cfg.engine, num_engines=1), rollout=replace(cfg.rollout, num_workers=1))
         (self.engine,) = actors.create_engines(one, stream=stream)
-        actors.start_engines([self.engine])
-        (self.worker,) = actors.create_rollout_workers(one, [self.engine], None, sampling=sampling)
+        self._started = self.engine.start.remote()  # `ready()` waits for it
+        self.queue = actors.create_queue(one, capacity=num_prompts)
+        (self.worker,) = actors.create_rollout_workers(one, [self.engine], self.queue, sampling=sampling)
+
+    def ready(self) -> None:
+        import ray
+
+        ray.get(self._started)
 
     async def run(self, problems: list[Problem], n: int) -> int:
         await self.worker.submit.remote(problems, n)
-        await self.worker.drain.remote()
-        groups = await self.worker.take_groups.remote()
-        if len(groups) != len(problems):
+        try:
+            groups = await self.queue.get.remote(len(problems), 0, TAKE_TIMEOUT_S)
+        except Exception as e:
             stats = await self.worker.get_stats.remote()
-            raise RuntimeError(f"framework path returned {len(groups)} groups for {len(problems)} prompts: {stats}")
+            raise RuntimeError(f"framework path: {len(problems)} groups not queued ({e!r}); worker: {stats}") from e
         return sum(sum(t.loss_mask) for g in groups for t in g.trajectories)
 
     async def pause_resume_s(self, cfg: Config, bench: BenchConfig, prompt_ids: list[int],
-                             mode: str) -> tuple[float, int]:
+                             mode: str, round_: int) -> tuple[float, int]:
         """Wall time of pause + resume with `bench.pause_requests` long requests in flight."""
-        long = SamplingSpec(max_new_tokens=cfg.engine.max_model_len - len(prompt_ids), ignore_eos=True)
-        refs = [self.engine.generate.remote(prompt_ids, long, f"pause-{mode}-{i}")
-                for i in range(bench.pause_requests)]
-        deadline = time.monotonic() + 10
-        while await self.engine.num_outstanding.remote() < len(refs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)  # all submitted ...
-        await asyncio.sleep(0.02)  # ... and decoding
+        refs = start_long_requests(self.engine, prompt_ids, bench.pause_requests, cfg.engine.max_model_len,
+                                   f"pause-{mode}-{round_}")
         in_flight = await self.engine.num_outstanding.remote()
         t0 = time.monotonic()
         await self.engine.pause.remote(mode)
@@ -125,24 +133,29 @@ async def _rollout_bench(cfg: Config, bench: BenchConfig, problems: list[Problem
                          prompt_ids: list[list[int]]) -> dict[str, Any]:
     sampling = bench_sampling(cfg, bench)
     stream = engines_stream(cfg.algorithm.pause_mode)  # as the driver starts its engines
-    raw, framework = RawVLLM(cfg, sampling, stream), FrameworkPath(cfg, sampling, stream)
+    framework = FrameworkPath(cfg, sampling, stream, len(problems))  # its engine starts while (a)'s does
+    raw = RawVLLM(cfg, sampling, stream)
+    framework.ready()
     try:
         for w in range(bench.warmup_rounds):  # untimed: both paths reach their steady state
             await raw.run(f"warmup{w}", prompt_ids, bench.n_samples)
             await framework.run(problems, bench.n_samples)
-        raw_rates, fw_rates = [], []
-        for r in range(bench.rounds):  # alternate, so that machine noise hits both alike
-            await asyncio.sleep(bench.settle_s)  # the other engine's polling has stopped
-            tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, bench.n_samples))
-            raw_rates.append(tokens / seconds)
-            await asyncio.sleep(bench.settle_s)
-            tokens, seconds = await _timed(framework.run(problems, bench.n_samples))
-            fw_rates.append(tokens / seconds)
-            print(f"round {r}: raw vLLM {raw_rates[-1]:.0f} tok/s, framework {fw_rates[-1]:.0f} tok/s", flush=True)
+        rates: dict[str, list[float]] = {"raw": [], "framework": []}
+        for r in range(bench.rounds):  # back to back, the first side alternating: noise hits both alike
+            for side in ("raw", "framework") if r % 2 == 0 else ("framework", "raw"):
+                await asyncio.sleep(bench.settle_s)  # the other engine's polling has stopped
+                tokens, seconds = await _timed(raw.run(f"raw{r}", prompt_ids, bench.n_samples) if side == "raw"
+                                               else framework.run(problems, bench.n_samples))
+                rates[side].append(tokens / seconds)
+            print(f"round {r}: raw vLLM {rates['raw'][-1]:.0f} tok/s, "
+                  f"framework {rates['framework'][-1]:.0f} tok/s", flush=True)
         modes = ("abort", "keep") if stream else ("abort",)
-        pauses = {mode: await framework.pause_resume_s(cfg, bench, prompt_ids[0], mode) for mode in modes}
+        pauses = {mode: [await framework.pause_resume_s(cfg, bench, prompt_ids[0], mode, r)
+                         for r in range(bench.rounds)] for mode in modes}
     finally:
         raw.shutdown()
+    raw_rates, fw_rates = rates["raw"], rates["framework"]
+    pause_s = {mode: statistics.median(s for s, _ in rounds) for mode, rounds in pauses.items()}
     # Rounds are paired (raw then framework, back to back): the median of the per-round
     # ratios is less sensitive to the machine's drift than a ratio of medians.
     ratios = [fw / raw for raw, fw in zip(raw_rates, fw_rates)]
@@ -152,12 +165,13 @@ async def _rollout_bench(cfg: Config, bench: BenchConfig, problems: list[Problem
         "framework_tok_s": round(statistics.median(fw_rates), 1),
         "ratio": round(statistics.median(ratios), 3),
         "round_ratios": [round(x, 3) for x in ratios],
-        "pause_resume_s": round(pauses[cfg.algorithm.pause_mode][0], 4),
+        "pause_resume_s": round(pause_s[cfg.algorithm.pause_mode], 4),
         "pause_mode": cfg.algorithm.pause_mode,
-        "pause_resume_abort_s": round(pauses["abort"][0], 4),
-        "pause_resume_keep_s": round(pauses["keep"][0], 4) if "keep" in pauses else None,
+        "pause_resume_abort_s": round(pause_s["abort"], 4),
+        "pause_resume_keep_s": round(pause_s["keep"], 4) if "keep" in pause_s else None,
+        "rounds_pause_resume_s": {mode: [round(s, 4) for s, _ in rounds] for mode, rounds in pauses.items()},
         "engine_streams": stream,
-        "in_flight_at_pause": pauses["abort"][1],
+        "in_flight_at_pause": min(n for rounds in pauses.values() for _, n in rounds),
         "rounds_raw_tok_s": [round(x) for x in raw_rates],
         "rounds_framework_tok_s": [round(x) for x in fw_rates],
         "requests_per_round": len(problems) * bench.n_samples,
@@ -174,7 +188,7 @@ def run_rollout_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
 
     problems = TaskSource(cfg.data).heldout[: bench.num_prompts]
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         return asyncio.run(_rollout_bench(cfg, bench, problems, [tok.encode(p.prompt) for p in problems]))
     finally:

@@ -4,22 +4,27 @@ fully asynchronously for the same wall time, in one invocation.
     asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.repeats=2
 
 (a) sync: algorithm.max_staleness=0, no partial rollout (generation drains before every
-    weight sync: the trainer and the engines take turns). Its processes are not bound to
-    cores (engine/rollout/trainer.cpu_cores cleared): each phase runs alone, so each may
-    use every core — a colocated placement, as synchronous peers share their GPUs.
+    weight sync: the trainer and the engines take turns). Each phase runs alone, so each gets
+    the whole machine — a colocated placement, as synchronous peers share their GPUs: no
+    process is bound to cores (engine/rollout/trainer.cpu_cores cleared), vLLM's OpenMP
+    threads span every core (engine.cpu_threads_bind=auto) and the trainer runs a torch
+    thread per core (trainer.torch_threads).
 (b) async: the recipe's settings as configured (eta as the recipe sets it, partial rollout with
     abort and resume, and the recipe's cpu_cores: generation and training, which now run
     at once, on cores of their own — as asynchronous peers give each its own GPUs).
 Each trains for `bench.train_s` seconds (set-up and the final evaluation not counted),
-then evaluates on the held-out split. samples/s = trained samples / training seconds;
-idle ratios are time-weighted over the steps. With `bench.repeats` > 1 the pair runs
-again (sync, async, sync, async, ...): rates and the speedup are medians over the pairs
-(the speedup of each pair is taken within the pair, so slow drift of this shared machine
-hits both of its sides), accuracies the mean over repeats. Last line: one JSON object.
+then evaluates on the held-out split. samples/s = trained samples / training seconds,
+tokens/s = trained (policy) tokens / training seconds; idle ratios and the engines'
+utilization (mean requests running over their concurrency) are time-weighted over the
+steps. With `bench.repeats` > 1 the pair runs again, and which side runs first alternates
+(sync-async, async-sync, ...): rates and the speedup are medians over the pairs (the
+speedup of each pair is taken within the pair, so slow drift of this shared machine hits
+both of its sides), accuracies the mean over repeats. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +39,9 @@ def _mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> C
     algorithm, engine, rollout, trainer = cfg.algorithm, cfg.engine, cfg.rollout, cfg.trainer
     if mode == "sync":
         algorithm = replace(algorithm, max_staleness=0, partial_rollout=False)
-        engine, rollout, trainer = (replace(x, cpu_cores="") for x in (engine, rollout, trainer))
+        engine = replace(engine, cpu_cores="", cpu_threads_bind="auto")
+        rollout = replace(rollout, cpu_cores="")
+        trainer = replace(trainer, cpu_cores="", torch_threads=len(os.sched_getaffinity(0)))
     return replace(
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
         run=replace(cfg.run, output_dir=str(run_dir), max_train_s=bench.train_s, resume_from=""),
@@ -43,10 +50,14 @@ def _mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> C
         logging=replace(cfg.logging, progress_bar=False))
 
 
-def _idle(run_dir: Path) -> dict[str, float]:
+def _step_figures(run_dir: Path) -> dict[str, float]:
+    """Idle ratios and engine utilization, weighted by step time; trained tokens."""
     steps = [r for r in read_metrics(run_dir) if "idle/trainer" in r]
     total = sum(r["throughput/step_s"] for r in steps) or 1.0
-    return {k: sum(r[f"idle/{k}"] * r["throughput/step_s"] for r in steps) / total for k in ("trainer", "engines")}
+    out = {name: sum(r[key] * r["throughput/step_s"] for r in steps) / total
+           for name, key in (("trainer_idle", "idle/trainer"), ("engine_idle", "idle/engines"),
+                             ("engine_util", "util/engines"))}
+    return {**out, "tokens": sum(r["train/tokens"] for r in steps)}
 
 
 def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
@@ -57,10 +68,12 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
     runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
     for r in range(bench.repeats):
-        for mode in ("sync", "async"):
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
             run_dir = root / (mode if bench.repeats == 1 else f"{mode}{r}")
             summary = run_training(_mode_config(cfg, bench, mode, run_dir), run_dir)
-            runs[mode].append({**summary, **_idle(run_dir), "samples_per_s": summary["samples"] / summary["train_s"]})
+            figures = _step_figures(run_dir)
+            runs[mode].append({**summary, **figures, "samples_per_s": summary["samples"] / summary["train_s"],
+                               "tokens_per_s": figures["tokens"] / summary["train_s"]})
 
     def median(mode: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[mode])
@@ -73,8 +86,11 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "bench": "sync_vs_async", "recipe": cfg.recipe.name, "train_s": bench.train_s,
         "sync_samples_per_s": median("sync", "samples_per_s"), "async_samples_per_s": median("async", "samples_per_s"),
         "speedup": statistics.median(pairs),
-        "async_trainer_idle": median("async", "trainer"), "async_engine_idle": median("async", "engines"),
-        "sync_trainer_idle": median("sync", "trainer"), "sync_engine_idle": median("sync", "engines"),
+        "sync_tokens_per_s": median("sync", "tokens_per_s"), "async_tokens_per_s": median("async", "tokens_per_s"),
+        "tokens_speedup": statistics.median(a["tokens_per_s"] / s["tokens_per_s"]
+                                            for s, a in zip(runs["sync"], runs["async"])),
+        **{f"{mode}_{k}": median(mode, k) for mode in ("async", "sync")
+           for k in ("trainer_idle", "engine_idle", "engine_util")},
         "sync_accuracy": mean("sync", "final_accuracy"), "async_accuracy": mean("async", "final_accuracy"),
         "base_accuracy": runs["sync"][0]["base_accuracy"],
         "sync_steps": median("sync", "steps"), "async_steps": median("async", "steps"),

@@ -17,6 +17,9 @@ group (gloo on CPU, NCCL on GPUs). Then, `bench.rounds` times, alternating:
       travel alone, in buckets of their own): `raw_plan_broadcast_s`, to show what that
       layout costs the transfer itself.
 ratio = median over rounds of raw_s / sync_s (1.0 = the sync costs nothing beyond moving bytes).
+Then `bench.rounds` more syncs with `bench.pause_requests` long requests in flight on every
+engine, as in a run (`sync_in_flight_s`, `paused_in_flight_s`: `algorithm.pause_mode`
+decides whether they end with what they have or wait and go on under the new weights).
 Also: the trainer's tokens/s over `bench.trainer_steps` train steps on groups of the
 recipe's prompts with `bench.max_new_tokens` sampled tokens each. Last line: one JSON object.
 """
@@ -32,6 +35,7 @@ import ray
 
 from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
+from asyncrl.bench.in_flight import start_long_requests
 from asyncrl.bench.raw_broadcast import RawBroadcast, raw_sizes
 from asyncrl.config import Config
 from asyncrl.engine.engine_actor import EngineActor
@@ -89,13 +93,14 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
 
     from asyncrl.tasks import TaskSource
 
-    ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
     trainer = None
     try:
         engines = actors.create_engines(cfg, engine_class=RawReceiveEngine)
-        actors.start_engines(engines)
+        started = [e.start.remote() for e in engines]
         trainer = actors.create_trainer(cfg, rank_class=RawBroadcastRank)
-        info = trainer.setup()
+        info = trainer.setup()  # while the engines start
+        ray.get(started)
         sync = actors.create_weight_sync(cfg, trainer, engines)
         sync.connect()
 
@@ -117,6 +122,13 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
         prompts = [tok.encode(p.prompt) for p in TaskSource(cfg.data).heldout[: cfg.algorithm.prompts_per_step]]
+        busy = []  # syncs with requests in flight on every engine
+        for r in range(bench.rounds):
+            version += 1
+            refs = [ref for i, e in enumerate(engines) for ref in start_long_requests(
+                e, prompts[0], bench.pause_requests, cfg.engine.max_model_len, f"sync{r}-e{i}")]
+            busy.append(sync.sync(version, cfg.algorithm.pause_mode))
+            ray.get(refs)
         rates = []
         for step in range(bench.trainer_steps + 1):  # the first step warms up
             groups = synthetic_groups(cfg, bench.max_new_tokens, prompts, vocab, step)
@@ -143,6 +155,10 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "broadcast_load_s": med(p.broadcast_load_s for p in phases),
         "load_s": med(p.load_s for p in phases),
         "resume_s": med(p.resume_s for p in phases),
+        "sync_in_flight_s": med(p.total_s for p in busy),
+        "paused_in_flight_s": med(p.paused_s for p in busy),
+        "in_flight_requests": bench.pause_requests * len(engines),
+        "pause_mode": cfg.algorithm.pause_mode,
         "load_path": ",".join(sorted(set(phases[-1].load_paths))),  # see WeightLoaderExtension._asyncrl_direct_load
         "in_place_bytes": min(phases[-1].in_place_bytes),  # received straight into parameters (no copy)
         "buckets": info.weight_buckets,

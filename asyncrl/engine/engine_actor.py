@@ -44,7 +44,7 @@ from asyncrl.cpu_cores import bind_this_process
 from asyncrl.engine.vllm_compat import max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
-from asyncrl.messages import EngineStartInfo, WeightUpdateReport
+from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
 
@@ -83,8 +83,8 @@ class EngineActor:
         self.version = 0
         self._llm = None
         self._outstanding: set[str] = set()
-        self._busy_s = 0.0  # total time with at least one request outstanding (for idle ratios)
-        self._busy_since = 0.0
+        self._activity = EngineActivity(0.0, 0.0)  # up to _activity_at (idle and utilization ratios)
+        self._activity_at = time.monotonic()
         self._joined = False  # the trainer's broadcast group, with its bucket plan (init_weight_group)
         self._accepting = asyncio.Event()  # cleared while paused: new requests wait for resume()
         self._accepting.set()
@@ -156,10 +156,9 @@ class EngineActor:
         finish_reason = "abort"
         # 1) submit, once not paused (vLLM would queue it, and an abort pause would wait on it)
         await self._accepting.wait()
-        if not self._outstanding:
-            self._busy_since = time.monotonic()
-            self._idle.clear()
+        self._account()
         self._outstanding.add(request_id)
+        self._idle.clear()
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
             async for out in stream:
@@ -174,9 +173,9 @@ class EngineActor:
                     finish_reason = completion.finish_reason or "abort"
         finally:
             # 4) done
+            self._account()
             self._outstanding.discard(request_id)
             if not self._outstanding:
-                self._busy_s += time.monotonic() - self._busy_since
                 self._idle.set()
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"engine-{self.engine_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs "
@@ -186,9 +185,18 @@ class EngineActor:
     def num_outstanding(self) -> int:
         return len(self._outstanding)
 
-    def busy_seconds(self) -> float:
-        """Seconds so far with at least one request outstanding (1 - its rate of change = idle ratio)."""
-        return self._busy_s + (time.monotonic() - self._busy_since if self._outstanding else 0.0)
+    def _account(self) -> None:
+        """Add the time since the last change of the outstanding requests to the activity totals."""
+        now = time.monotonic()
+        dt, n = now - self._activity_at, len(self._outstanding)
+        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt)
+        self._activity_at = now
+
+    def activity(self) -> EngineActivity:
+        """Totals so far: seconds with a request outstanding, and request-seconds (their rates
+        of change are 1 - the idle ratio and the mean number of requests running)."""
+        self._account()
+        return self._activity
 
     def get_version(self) -> int:
         return self.version

@@ -1,7 +1,8 @@
 """`asyncrl plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
 Writes RUN_DIR/plots.png with four panels: reward and held-out accuracy, throughput,
-staleness, and the trainer's and engines' idle ratios.
+staleness, the trainer's and engines' idle ratios and the engines' utilization (mean
+requests running over their concurrency: it sees an engine that serves one straggler).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ PANELS = (
      (("batch/reward_mean", "train reward"), ("eval/greedy_accuracy", "held-out greedy"))),
     ("throughput", (("throughput/samples_per_s", "samples/s"),)),
     ("staleness (versions)", (("train/staleness_mean", "mean"), ("train/staleness_max", "max"))),
-    ("idle ratio", (("idle/trainer", "trainer"), ("idle/engines", "engines"))),
+    ("idle and utilization", (("idle/trainer", "trainer idle"), ("idle/engines", "engines idle"),
+                              ("util/engines", "engine utilization"))),
 )
 
 

@@ -11,6 +11,7 @@ GAUGES = {
     "asyncrl_samples_per_s": "trained samples per second over the last step",
     "asyncrl_trainer_idle_ratio": "fraction of the last step the trainer waited for data",
     "asyncrl_engine_idle_ratio": "fraction of the last step the engines had no request",
+    "asyncrl_engine_utilization": "mean requests running on an engine over its concurrency, last step",
     "asyncrl_reward_mean": "mean reward of the last step's trajectories",
 }
 

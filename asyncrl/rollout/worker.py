@@ -85,6 +85,8 @@ class RolloutWorker:
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
         self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
         self._interrupt = asyncio.Event()
+        self._running = asyncio.Event()  # the opposite of _interrupt, for the gateway's waiting requests
+        self._running.set()
         self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
         self._groups: list[TrajectoryGroup] = []  # emitted groups, when there is no sink
         self._tasks: set[asyncio.Task] = set()
@@ -120,10 +122,12 @@ class RolloutWorker:
     async def interrupt(self) -> None:
         """Ask every loop to stop at its next state transition (running tool calls finish)."""
         self._interrupt.set()
+        self._running.clear()
 
     async def resume_interrupted(self) -> int:
         """Continue every snapshotted loop; returns how many were resumed."""
         self._interrupt.clear()
+        self._running.set()
         snapshots, self._snapshots = self._snapshots, []
         for group, index, snapshot in snapshots:
             self.stats.resumes += 1
@@ -145,8 +149,7 @@ class RolloutWorker:
 
     async def _resumed(self) -> None:
         """Returns once a weight sync in abort mode is over (the gateway's requests wait here)."""
-        while self._interrupt.is_set():
-            await asyncio.sleep(0.01)
+        await self._running.wait()
 
     def pending_prompts(self) -> list[str]:
         """Prompt ids of admitted groups not yet emitted (generating, waiting or snapshotted)."""
