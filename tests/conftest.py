@@ -33,34 +33,71 @@ def base_model() -> Path:
     return BASE_MODEL
 
 
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """One local Ray cluster for every test that drives actors from this process (the
+    subprocess runs start their own). Its CPUs are logical: tests size nothing by them."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @contextlib.contextmanager
 def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[bool] | None = None,
-                model_in_engine_core: list[bool] | None = None) -> Iterator[list]:
-    """`count` started EngineActors on `model_path` in a fresh local Ray cluster (shut down after);
-    `stream_outputs[i]` is engine i's setting (default: all stream, as with pause_mode=keep), and
-    `model_in_engine_core[i]` its engine.cpu_model_in_engine_core (default: the config's)."""
+                model_in_engine_core: list[bool] | None = None, first_id: int = 0) -> Iterator[list]:
+    """`count` started EngineActors on `model_path` in the session's Ray cluster (the
+    `ray_cluster` fixture), killed after; `stream_outputs[i]` is engine i's setting (default:
+    all stream, as with pause_mode=keep), and `model_in_engine_core[i]` its
+    engine.cpu_model_in_engine_core (default: the config's). Engines are named
+    engine-<first_id + i>: live engines of one cluster need names of their own."""
     import ray
 
     from asyncrl import actors
     from asyncrl.run_config import load_config
 
+    assert ray.is_initialized(), "ray_engines needs the ray_cluster fixture"
     cfg = load_config([f"model.path={model_path}"])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    streams = stream_outputs or [True] * count
+    in_core = model_in_engine_core or [cfg.engine.cpu_model_in_engine_core] * count
+    handles = []
     try:
-        streams = stream_outputs or [True] * count
-        in_core = model_in_engine_core or [cfg.engine.cpu_model_in_engine_core] * count
-        handles = []
-        for i in range(count):  # each engine with its own settings, named engine-<i>
+        for i in range(count):  # each engine with its own settings
             one = replace(cfg, engine=replace(cfg.engine, num_engines=1, cpu_model_in_engine_core=in_core[i]))
-            handles.append(actors.create_engine(one, i, stream=streams[i]))
+            handles.append(actors.create_engine(one, first_id + i, stream=streams[i]))
         infos = actors.start_engines(handles)
         assert all(info.start_s > 0 and info.rss_gib > 0 for info in infos)
         for info, x in zip(infos, in_core):  # the model in the engine core, or in a worker process of its own
             assert info.model_in_engine_core == x, info
         yield handles
-        ray.get([h.shutdown.remote() for h in handles])
     finally:
-        ray.shutdown()
+        kill_actors(handles, shutdown=True)
+
+
+def kill_actors(handles: list, shutdown: bool = False) -> None:
+    """Stop these actors (an engine's `shutdown` first: vLLM's processes exit with it)."""
+    import ray
+
+    if shutdown:
+        try:
+            ray.get([h.shutdown.remote() for h in handles], timeout=60)
+        except Exception:  # a dead actor cannot shut down; it is killed below either way
+            pass
+    for h in handles:
+        ray.kill(h)
+
+
+@pytest.fixture(scope="session")
+def base_engines(ray_cluster, base_model) -> Iterator[list]:
+    """Two engines on the arith base model, shared by the modules that test engines and
+    workers on it: engine 0 streams per-token outputs (as with pause_mode=keep) and runs its
+    model in a vLLM worker process; engine 1 sends one output a request (pause_mode=abort)
+    and runs its model in vLLM's engine-core process (engine.cpu_model_in_engine_core), so
+    tests on both cover both executors. Tests that load other weights put the base ones back."""
+    with ray_engines(base_model, 2, stream_outputs=[True, False], model_in_engine_core=[False, True],
+                     first_id=100) as handles:
+        yield handles
 
 
 def assert_same_greedy(resumed: list[int], reference: list[int], prompt: list[int], model_path: str | Path,

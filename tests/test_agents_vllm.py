@@ -25,7 +25,7 @@ def cfg(base_model):
 
 
 @pytest.fixture(scope="module")
-def engine(cfg):
+def engine(cfg, ray_cluster):
     with ray_engines(cfg.model.path) as (handle,):
         yield handle
 

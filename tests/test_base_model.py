@@ -41,8 +41,8 @@ def test_build_info_shows_rl_headroom(base_model):
 @pytest.mark.slow
 def test_build_is_deterministic_from_its_seed(tmp_path):
     def build(out, *stage):
-        cmd = [sys.executable, str(REPO / "scripts" / "build_base_model.py"), "--out", str(out), "--max-steps", "20",
-               "--eval-every", "20", "--selection-size", "16", "--heldout-size", "16", "--min-greedy", "0", *stage]
+        cmd = [sys.executable, str(REPO / "scripts" / "build_base_model.py"), "--out", str(out), "--max-steps", "4",
+               "--eval-every", "4", "--selection-size", "4", "--heldout-size", "4", "--min-greedy", "0", *stage]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         return (out / "model.safetensors").read_bytes(), (out / "tokenizer.json").read_bytes()

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agent_loops import get_agent_loop
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
-from tests.conftest import assert_same_greedy, ray_engines
+from tests.conftest import assert_same_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +22,10 @@ PROMPTS = ["5 - 3 + 2 =\n", "-( 4 + 7 ) - 1 =\n", "9 + 8 - 6 + 1 =\n"]  # the ar
 
 
 @pytest.fixture(scope="module")
-def engines(base_model):
+def engines(base_engines):
     """A streaming engine (per-token versions, as with pause_mode=keep) and one that sends a
-    single output a request (pause_mode=abort); the second runs its model in vLLM's engine-core
-    process (engine.cpu_model_in_engine_core), so the tests on both cover both executors."""
-    with ray_engines(base_model, 2, stream_outputs=[True, False], model_in_engine_core=[False, True]) as handles:
-        yield handles
+    single output a request (pause_mode=abort), each on its own executor (conftest.base_engines)."""
+    return base_engines
 
 
 @pytest.fixture(scope="module")

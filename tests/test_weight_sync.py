@@ -14,6 +14,7 @@ from asyncrl import actors
 from asyncrl.run_config import load_config
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import SamplingSpec
+from tests.conftest import kill_actors
 from tests.trainer_data import make_groups
 
 pytestmark = pytest.mark.slow
@@ -50,19 +51,20 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 # and they go on under the new weights.
 @pytest.mark.parametrize("prepack,load_paths,pause_mode", [(True, ["copy+repack", "replay+repack"], "keep"),
                                                            (False, ["replay", "replay"], "abort")])
-def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_path, prepack, load_paths,
-                                                                pause_mode):
+def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, base_model, tmp_path, prepack,
+                                                                load_paths, pause_mode):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
                        "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25"])
     tok = AutoTokenizer.from_pretrained(base_model)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    trainer = None
+    trainer, engines = None, []
     try:
-        (engine,) = actors.create_engines(cfg, stream=True)
-        (info,) = actors.start_engines([engine])
-        assert info.plain_weights == (not prepack)
+        engines = actors.create_engines(cfg, stream=True)
+        (engine,) = engines
+        started = engine.start.remote()
         trainer = actors.create_trainer(cfg)
-        setup = trainer.setup()
+        setup = trainer.setup()  # while the engine starts
+        info = ray.get(started)
+        assert info.plain_weights == (not prepack)
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
         sync = actors.create_weight_sync(cfg, trainer, [engine])
         sync.connect()
@@ -103,4 +105,4 @@ def test_sync_after_training_gives_engines_the_trainers_weights(base_model, tmp_
     finally:
         if trainer is not None:
             trainer.shutdown()
-        ray.shutdown()
+        kill_actors(engines, shutdown=True)
