@@ -51,7 +51,7 @@ def prompts(engine, tokenizer):
     async def scan():
         return await asyncio.gather(*[run(make_loop(Client(engine), tokenizer), tokenizer, p) for p in candidates])
 
-    calling = [p for p, outcome in zip(candidates, asyncio.run(scan())) if outcome.trajectory.info["tool_calls"]]
+    calling = [p for p, outcome in zip(candidates, asyncio.run(scan())) if outcome.trajectory.info.get("tool_calls")]
     assert len(calling) >= 3, f"the model called the calculator on {len(calling)} of {SCANNED} held-out prompts"
     return calling[:3]
 
