@@ -7,6 +7,7 @@ checkpoints, and a new run continues from its checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import ASYNCRL, REPO, run_cli
+from tests.test_env_server import free_port
 from tests.test_train_e2e import TINY, check_run
 
 pytestmark = pytest.mark.slow
@@ -33,6 +35,28 @@ def stack_processes() -> dict[int, str]:
         if any(m in cmd for m in MARKERS):
             out[p.info["pid"]] = cmd[:120]
     return out
+
+
+def kill_tagged(tag: str, grace_s: float = 10) -> None:
+    """Stop every process whose environment carries ASYNCRL_TEST_CLUSTER=tag (TERM, then KILL)."""
+    def tagged() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("ASYNCRL_TEST_CLUSTER") == tag:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    procs = tagged()
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive + tagged():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -100,11 +124,17 @@ def test_a_run_under_ray_job_submit_checkpoints_and_a_new_run_resumes_from_it(tm
     """Submitted to a `ray start --head` cluster on loopback, a run checkpoints at step 2
     (trainer state, queue contents, ledger); a new run continues from it to step 4 and every
     prompt is still accounted for."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    # Every process of this cluster inherits the tag, so that the test stops exactly those (`ray
+    # stop` would stop every Ray cluster on the machine, the test session's own included).
+    tag = f"lifecycle-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "ASYNCRL_TEST_CLUSTER": tag}
     ray_bin = str(Path(sys.executable).parent / "ray")
     port = 6391
+    # Ports of its own: the defaults of the node's agents are taken by the session's cluster.
+    ports = [f"--{name}-port={free_port()}" for name in ("dashboard-agent-listen", "dashboard-agent-grpc",
+                                                          "runtime-env-agent", "metrics-export")]
     subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                    "--dashboard-host=127.0.0.1", "--dashboard-port=8266", "--disable-usage-stats"],
+                    "--dashboard-host=127.0.0.1", "--dashboard-port=8266", "--disable-usage-stats", *ports],
                    check=True, capture_output=True, env=env, timeout=120)
     first = tmp_path / "job_run"
     try:
@@ -112,12 +142,17 @@ def test_a_run_under_ray_job_submit_checkpoints_and_a_new_run_resumes_from_it(tm
                "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
                sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
                "cluster.address=auto", f"run.output_dir={first}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        deadline = time.monotonic() + 120
+        while True:  # the head's job agent registers a while after `ray start` returns
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            if "No available agent to submit job" not in out.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "succeeded" in out.stdout and "-> final accuracy" in out.stdout
         check_run(first, eta=1)
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        kill_tagged(tag)
 
     ckpt = first / "checkpoints" / "step_000002"
     assert (ckpt / "trainer_state.pt").is_file() and (ckpt / "queue.json").is_file()
