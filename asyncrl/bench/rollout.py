@@ -96,6 +96,7 @@ class FrameworkPath:
         (self.worker,) = actors.create_rollout_workers(one, [self.engine], self.queue, sampling=sampling)
 
     def ready(self) -> None:
+        """Returns once its engine has started."""
         import ray
 
         ray.get(self._started)
@@ -156,8 +157,8 @@ async def _rollout_bench(cfg: Config, bench: BenchConfig, problems: list[Problem
         raw.shutdown()
     raw_rates, fw_rates = rates["raw"], rates["framework"]
     pause_s = {mode: statistics.median(s for s, _ in rounds) for mode, rounds in pauses.items()}
-    # Rounds are paired (raw then framework, back to back): the median of the per-round
-    # ratios is less sensitive to the machine's drift than a ratio of medians.
+    # Rounds are paired (the two sides back to back): the median of the per-round ratios is
+    # less sensitive to the machine's drift than a ratio of medians.
     ratios = [fw / raw for raw, fw in zip(raw_rates, fw_rates)]
     return {
         "bench": "rollout",
