@@ -31,6 +31,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import ray
+
 from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
 from asyncrl.bench.in_flight import start_long_requests
@@ -97,8 +99,6 @@ class FrameworkPath:
 
     def ready(self) -> None:
         """Returns once its engine has started."""
-        import ray
-
         ray.get(self._started)
 
     async def run(self, problems: list[Problem], n: int) -> int:
@@ -184,7 +184,6 @@ async def _rollout_bench(cfg: Config, bench: BenchConfig, problems: list[Problem
 
 
 def run_rollout_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
-    import ray
     from transformers import AutoTokenizer
 
     problems = TaskSource(cfg.data).heldout[: bench.num_prompts]
