@@ -21,6 +21,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+# -- the attack suite: every test marked `attack` is one attack; it held when the test passed --------
+
+_ATTACKS = {"tried": 0, "held": 0, "through": []}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "attack" not in report.keywords or not (report.when == "call" or report.when == "setup" and report.failed):
+        return
+    _ATTACKS["tried"] += 1
+    if report.passed:
+        _ATTACKS["held"] += 1
+    else:
+        _ATTACKS["through"].append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _ATTACKS["tried"]:
+        terminalreporter.write_line(f"{_ATTACKS['tried']} attacks tried, {_ATTACKS['held']} held")
+        for nodeid in _ATTACKS["through"]:
+            terminalreporter.write_line(f"  got through: {nodeid}")
+
+
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `asyncrl ARGS` in a subprocess (vLLM needs its own process: it spawns workers)."""
     return subprocess.run([*ASYNCRL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
