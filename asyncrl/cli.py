@@ -6,7 +6,7 @@
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
 
 Everything after the subcommand goes to Hydra, so its flags work too:
-`--cfg job` prints the resolved config, `--help` lists the config groups.
+`--cfg job` prints the resolved config (validated first), `--help` lists the config groups.
 """
 
 from __future__ import annotations

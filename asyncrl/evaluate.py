@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from asyncrl.config import CONF_DIR
-from asyncrl.run_config import validate_or_exit
+from asyncrl.run_config import validate_or_exit, validate_shown_config
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -60,6 +60,7 @@ def main() -> None:
         except ValueError as e:
             sys.exit(f"asyncrl eval: {e}")
         sys.argv = [sys.argv[0], *sys.argv[2:], f"model.path={model}"]
+    validate_shown_config("evaluate")
     _hydra_main()
 
 

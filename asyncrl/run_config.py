@@ -4,11 +4,13 @@ their params), every problem reported at once.
 
     cfg = load_config(["recipe=arith", "algorithm.max_staleness=2"])   # tests, scripts
     cfg = validate_or_exit(dict_cfg)                                    # a Hydra app's main
+    validate_shown_config("config")                                     # before it, for `--cfg job`
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +46,24 @@ def validate_or_exit(cfg: DictConfig) -> Config:
     except ConfigError as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def validate_shown_config(config_name: str, argv: Sequence[str] | None = None) -> None:
+    """For a Hydra app's `main()`, before Hydra takes over: with `--cfg job` (or `all`) Hydra prints
+    the config and never calls the app, so validate it here, as a run would, and exit with status 2
+    and the same problems; a config that `--cfg job` shows is one a run accepts. Without those flags,
+    or when composition itself fails (an unknown key, a wrong type: Hydra reports those next, as for
+    a run), nothing happens."""
+    from hydra._internal.utils import get_args_parser  # the parser hydra.main uses: the same flags
+
+    args = get_args_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.cfg not in ("job", "all") or args.config_path is not None:  # --config-path: Hydra resolves it
+        return
+    overrides = list(args.overrides)
+    if args.config_dir is not None:
+        overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
+    try:
+        cfg = compose(overrides, config_name=args.config_name or config_name)
+    except Exception:  # Hydra composes again and reports the error its own way
+        return
+    validate_or_exit(cfg)

@@ -2,13 +2,13 @@
 
     asyncrl train recipe=arith
     asyncrl train recipe=arith algorithm=sync trainer.lr=5e-5
-    asyncrl train recipe=arith --cfg job        # print the resolved config and exit
+    asyncrl train recipe=arith --cfg job        # print the resolved config (validated) and exit
     python -m asyncrl.train recipe=arith        # the same
 
-The config is validated before any actor starts; a bad value exits with status 2 and
-one message per problem naming the key, the value and what would be valid. The run
-directory (Hydra's, or run.output_dir) receives metrics.jsonl, plots.png, checkpoints,
-the final policy in Hugging Face format and summary.json.
+The config is validated before any actor starts, and before `--cfg job` prints it; a bad
+value exits with status 2 and one message per problem naming the key, the value and what
+would be valid. The run directory (Hydra's, or run.output_dir) receives metrics.jsonl,
+plots.png, checkpoints, the final policy in Hugging Face format and summary.json.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from asyncrl.config import CONF_DIR
-from asyncrl.run_config import validate_or_exit
+from asyncrl.run_config import validate_or_exit, validate_shown_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ def _hydra_main(dict_cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    validate_shown_config("config")
     _hydra_main()
 
 

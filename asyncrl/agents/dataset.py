@@ -8,16 +8,21 @@ template, the recipe's answer extraction and the task's scorer.
                  question_field: question, answer_field: answer, answer_regex: "####\\s*(.+)$",
                  prompt_template: "{question}\\nAnswer: "}
 
-Files are read with Hugging Face `datasets` (.jsonl/.json, .parquet, .arrow, or a
-`save_to_disk` directory); nothing is downloaded. A row without a question or an answer
-is skipped and counted (logged once per file), never a crash.
+JSON files (.jsonl: one object a line; .json: the same, or one array of objects) are parsed
+here; .parquet, .arrow and `save_to_disk` directories are read with Hugging Face `datasets`;
+nothing is downloaded. A row without a question or an answer is skipped and counted (logged
+once per file). A malformed row (not JSON, not an object, a question or answer of the wrong
+type) fails the load with an error naming the env, the file and the line (or row).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,37 +88,159 @@ class DatasetAgent(Agent):
 
     def _read(self, path: str) -> list[tuple[str, str, dict[str, Any]]]:
         """(question, reference answer, row) for every usable row of a local file."""
-        import datasets
-
-        datasets.disable_progress_bars()
         p = self.params
-        file = Path(path)
-        if file.is_dir():
-            data = datasets.load_from_disk(str(file))
-        elif file.suffix in FILE_FORMATS:
-            data = datasets.load_dataset(FILE_FORMATS[file.suffix], data_files=str(file), split="train")
-        else:
-            raise ValueError(f"env {self.env_id!r}: {path}: not a .jsonl, .json, .parquet or .arrow file "
-                             "or a datasets directory")
-        if isinstance(data, datasets.DatasetDict):
-            data = data[next(iter(data))]
         pattern = re.compile(p.answer_regex, re.S | re.M) if p.answer_regex else None
-        rows, skipped = [], 0
-        for row in data:
-            question, answer = row.get(p.question_field), row.get(p.answer_field)
-            if pattern is not None and answer is not None:
-                match = pattern.search(str(answer))
-                answer = match.group(1).strip() if match else None
-            if not isinstance(question, str) or not question.strip() or answer is None or str(answer).strip() == "":
-                skipped += 1
-                continue
-            rows.append((question, str(answer).strip(), dict(row)))
+        rows: list[tuple[str, str, dict[str, Any]]] = []
+        skipped = total = 0
+        try:
+            for where, row in _rows(Path(path)):
+                total += 1
+                usable = _usable(row, where, p.question_field, p.answer_field, pattern)
+                if usable is None:
+                    skipped += 1
+                else:
+                    rows.append((*usable, dict(row)))
+        except MalformedRow as e:
+            raise ValueError(f"env {self.env_id!r}: {path}, {e.where}: {e}") from None
+        except UnsupportedFile as e:
+            raise ValueError(f"env {self.env_id!r}: {path}: {e}") from None
         if skipped:
             logger.warning("env %s: skipped %d of %d rows of %s without a usable %r or %r%s", self.env_id, skipped,
-                           len(data), path, p.question_field, p.answer_field,
+                           total, path, p.question_field, p.answer_field,
                            f" (matching answer_regex {p.answer_regex!r})" if pattern else "")
         self.skipped_rows += skipped
         if not rows:
             raise ValueError(f"env {self.env_id!r}: {path} has no usable rows (fields {p.question_field!r}, "
                              f"{p.answer_field!r})")
         return rows
+
+
+class MalformedRow(ValueError):
+    """A row that cannot be a problem; `where` is its line ("line 7") or, in a binary file, its row."""
+
+    def __init__(self, where: str, problem: str):
+        super().__init__(problem)
+        self.where = where
+
+
+class UnsupportedFile(ValueError):
+    """A file that is not one of FILE_FORMATS, or that its reader rejects as a whole."""
+
+
+def _usable(row: Any, where: str, question_field: str, answer_field: str,
+            pattern: re.Pattern[str] | None) -> tuple[str, str] | None:
+    """(question, reference answer) of a row; None when one is missing or empty (the row is
+    skipped and counted); MalformedRow when the row or a field has the wrong type."""
+    if not isinstance(row, dict):
+        raise MalformedRow(where, f"a row must be a JSON object, not {_json_type(row)}")
+    question, answer = row.get(question_field), row.get(answer_field)
+    if question is not None and not isinstance(question, str):
+        raise MalformedRow(where, f"field {question_field!r} must be a string, not {_json_type(question)}")
+    # numbers are common reference answers (42); lists and objects are not answers
+    if answer is not None and (not isinstance(answer, str | int | float)
+                               or isinstance(answer, float) and not math.isfinite(answer)):
+        raise MalformedRow(where, f"field {answer_field!r} must be a string or a number, not {_json_type(answer)}")
+    if pattern is not None and answer is not None:
+        match = pattern.search(str(answer))
+        answer = match.group(1) if match else None
+    if question is None or not question.strip() or answer is None or not str(answer).strip():
+        return None
+    return question, str(answer).strip()
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    return names.get(type(value), "a number" if isinstance(value, int | float) else type(value).__name__)
+
+
+def _rows(file: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of a local dataset file or directory."""
+    if file.suffix in (".jsonl", ".json") and not file.is_dir():
+        yield from _json_rows(file)
+        return
+    import datasets
+
+    datasets.disable_progress_bars()
+    if not file.is_dir() and file.suffix not in FILE_FORMATS:
+        raise UnsupportedFile("not a .jsonl, .json, .parquet or .arrow file or a datasets directory")
+    try:
+        if file.is_dir():
+            data = datasets.load_from_disk(str(file))
+        else:
+            data = datasets.load_dataset(FILE_FORMATS[file.suffix], data_files=str(file), split="train")
+    except Exception as e:  # whatever the reader raises, say which file it could not read
+        raise UnsupportedFile(f"cannot be read: {type(e).__name__}: {e}") from None
+    if isinstance(data, datasets.DatasetDict):
+        data = data[next(iter(data))]
+    for i, row in enumerate(data):
+        yield f"row {i + 1}", row
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def _json_rows(file: Path) -> Iterator[tuple[str, Any]]:
+    """(where, row) of a JSON Lines file, or of a file holding one JSON array; blank lines are skipped."""
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise MalformedRow(f"line {line}", "not UTF-8 text") from None
+    if text.lstrip().startswith("["):
+        yield from _json_array_rows(text)
+        return
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            yield f"line {n}", _decode(line.strip(), f"line {n}")
+
+
+def _json_array_rows(text: str) -> Iterator[tuple[str, Any]]:
+    """The elements of a JSON array document, each with the line it starts on."""
+    ws = re.compile(r"\s*")
+    counted, line = 0, 1
+
+    def line_at(i: int) -> int:  # positions only grow: count the newlines once
+        nonlocal counted, line
+        line, counted = line + text.count("\n", counted, i), i
+        return line
+
+    pos = ws.match(text, text.index("[") + 1).end()
+    if text.startswith("]", pos):
+        return
+    while True:
+        where = f"line {line_at(pos)}"
+        try:
+            row, end = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise MalformedRow(f"line {e.lineno}", f"not valid JSON: {e.msg} (column {e.colno})") from None
+        except (ValueError, RecursionError) as e:
+            raise MalformedRow(where, _decode_problem(e)) from None
+        yield where, row
+        after = ws.match(text, end).end()
+        if text.startswith("]", after):
+            if text[after + 1:].strip():
+                raise MalformedRow(f"line {line_at(after)}", "not valid JSON: text after the closing ']'")
+            return
+        if not text.startswith(",", after):
+            raise MalformedRow(f"line {line_at(after)}", "not valid JSON: expected ',' or ']' after an array element")
+        pos = ws.match(text, after + 1).end()
+
+
+def _decode(text: str, where: str) -> Any:
+    try:
+        return _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        raise MalformedRow(where, f"not valid JSON: {e.msg} (column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise MalformedRow(where, _decode_problem(e)) from None
+
+
+def _decode_problem(e: Exception) -> str:
+    return "not valid JSON: nested too deeply" if isinstance(e, RecursionError) else f"not valid JSON: {e}"

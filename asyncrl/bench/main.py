@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_overrides
 from asyncrl.config import CONF_DIR, ConfigError
-from asyncrl.run_config import validate_or_exit
+from asyncrl.run_config import validate_or_exit, validate_shown_config
 
 BENCHMARKS = {
     "rollout": "asyncrl.bench.rollout:run_rollout_bench",
@@ -53,4 +53,5 @@ def main() -> None:
         raise SystemExit(2) from None
     _selected.append((sys.argv[1], bench))
     sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *rest]
+    validate_shown_config("config")
     _hydra_main()

@@ -7,10 +7,12 @@ every problem found — each naming the key, the value and what would be valid.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,22 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(problems)} problem(s)):\n{lines}")
 
 
+# Upper bounds on sizes: far above any real run, low enough that a slip (a few extra zeros)
+# is refused here instead of exhausting memory, threads or the cluster's scheduler later.
+MAX_WORKERS = 1024  # rollout.num_workers, engine.num_engines
+MAX_CONCURRENT_LOOPS = 16384  # rollout.max_concurrent_loops, per worker
+MAX_GROUP_SIZE = 1024  # algorithm.n_samples_per_prompt, eval.n_samples
+MAX_SAMPLES_PER_STEP = 1 << 20  # prompts_per_step x n_samples_per_prompt; trainer.micro_batch_size
+MAX_MODEL_LEN = 1 << 20  # engine.max_model_len, in tokens
+MAX_NUM_SEQS = 16384  # engine.max_num_seqs
+MAX_PARALLEL = 1024  # each of the engine's and the trainer's parallel sizes
+MAX_THREADS = 1024  # trainer.torch_threads
+MAX_BUFFER_MB = 16384  # trainer.weight_sync_bucket_mb, weight_sync_in_place_mb
+MAX_KVCACHE_GIB = 4096  # engine.cpu_kvcache_space_gib
+MAX_TIMEOUT_S = 86400.0  # rollout.reward_timeout_s, trainer.dist_timeout_s: a day
+MAX_GENERATED_PROBLEMS = 1_000_000  # a reasoning-gym source generates all of train_size and heldout_size
+
+
 # A further check of a typed config (e.g. names against a registry above the config): its problems.
 Check = Callable[[Config], list[str]]
 
@@ -58,15 +76,23 @@ def validate(cfg: DictConfig | dict[str, Any], checks: Sequence[Check] = ()) -> 
     for check in checks:
         problems += check(typed)
     if problems:
-        raise ConfigError(problems)
+        # a NaN or infinite value is reported by every check that sees it: once is enough
+        raise ConfigError(list(dict.fromkeys(problems)))
     return typed
 
 
-def _checkers(problems: list[str]) -> tuple[Callable, Callable, Callable]:
-    """need(ok, key, value, valid), at_least(key, value, low, why), one_of(key, value, choices):
-    each appends one problem naming the key, the value and what would be valid."""
+def _not_finite(key: str, value: float) -> str:
+    return f"{key}={value!r}: must be a finite number"
+
+
+def _checkers(problems: list[str]) -> tuple[Callable, Callable, Callable, Callable]:
+    """need(ok, key, value, valid), at_least(key, value, low, why), one_of(key, value, choices),
+    within(key, value, low, high, why): each appends one problem naming the key, the value and
+    what would be valid. A NaN or infinite value fails whatever the check."""
     def need(ok: bool, key: str, value: Any, valid: str) -> None:
-        if not ok:
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(_not_finite(key, value))
+        elif not ok:
             problems.append(f"{key}={value!r}: {valid}")
 
     def one_of(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -75,13 +101,16 @@ def _checkers(problems: list[str]) -> tuple[Callable, Callable, Callable]:
     def at_least(key: str, value: float, low: float, why: str = "") -> None:
         need(value >= low, key, value, f"must be >= {low}" + (f" ({why})" if why else ""))
 
-    return need, at_least, one_of
+    def within(key: str, value: float, low: float, high: float, why: str = "") -> None:
+        need(low <= value <= high, key, value, f"must be in [{low}, {high}]" + (f" ({why})" if why else ""))
+
+    return need, at_least, one_of, within
 
 
 def check_data(key: str, data: Any) -> list[str]:
     """A dataset agent's data settings (a DataConfig: the `data` section, or an agent's params)."""
     problems: list[str] = []
-    _check_data(key, data, *_checkers(problems))
+    _check_data(key, data, problems)
     return problems
 
 
@@ -119,7 +148,9 @@ def _describe_omegaconf_error(e: OmegaConfBaseException, section: str) -> str:
 
 
 def _check_values(c: Config, problems: list[str]) -> None:
-    need, at_least, one_of = _checkers(problems)
+    need, at_least, one_of, within = _checkers(problems)
+    # every float, checked by a rule below or not (weights, coefficients, limits)
+    problems += [_not_finite(key, value) for key, value in _floats("", c) if not math.isfinite(value)]
 
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
@@ -134,17 +165,20 @@ def _check_values(c: Config, problems: list[str]) -> None:
     if c.agents:
         _check_agents(c, need, at_least)
     else:
-        _check_data("data", c.data, need, at_least, one_of)
+        _check_data("data", c.data, problems)
 
     # engine
     one_of("engine.backend", c.engine.backend, ENGINE_BACKENDS)
     one_of("engine.dtype", c.engine.dtype, DTYPES)
-    at_least("engine.num_engines", c.engine.num_engines, 1)
-    at_least("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1)
+    within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
+    within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)
     need(c.engine.max_model_len > c.rollout.max_new_tokens, "engine.max_model_len", c.engine.max_model_len,
          f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
-    at_least("engine.max_num_seqs", c.engine.max_num_seqs, 1)
-    at_least("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, "vLLM-CPU needs a KV cache")
+    need(c.engine.max_model_len <= MAX_MODEL_LEN, "engine.max_model_len", c.engine.max_model_len,
+         f"must be <= {MAX_MODEL_LEN} tokens")
+    within("engine.max_num_seqs", c.engine.max_num_seqs, 1, MAX_NUM_SEQS)
+    within("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, MAX_KVCACHE_GIB,
+           "vLLM-CPU needs a KV cache")
     need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", c.engine.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
          c.engine.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
     for key, spec in (("engine.cpu_cores", c.engine.cpu_cores), ("rollout.cpu_cores", c.rollout.cpu_cores),
@@ -157,21 +191,26 @@ def _check_values(c: Config, problems: list[str]) -> None:
     # trainer
     t = c.trainer
     one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "micro_batch_size",
-                 "mini_batches_per_step", "total_steps"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        within(f"trainer.{name}", getattr(t, name), 1, MAX_PARALLEL)
+    within("trainer.micro_batch_size", t.micro_batch_size, 1, MAX_SAMPLES_PER_STEP)
+    for name in ("mini_batches_per_step", "total_steps"):
         at_least(f"trainer.{name}", getattr(t, name), 1)
     need(t.lr > 0, "trainer.lr", t.lr, "must be > 0 (e.g. 1e-4)")
-    need(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
+    if math.isfinite(t.lr):  # a bad lr is reported once, above
+        need(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
     one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     at_least("trainer.warmup_steps", t.warmup_steps, 0)
     at_least("trainer.weight_decay", t.weight_decay, 0)
     at_least("trainer.grad_clip", t.grad_clip, 0, "0 disables clipping")
     at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
-    at_least("trainer.torch_threads", t.torch_threads, 0, "0: max(1, int(trainer.num_cpus_per_rank))")
-    need(t.weight_sync_bucket_mb > 0, "trainer.weight_sync_bucket_mb", t.weight_sync_bucket_mb, "must be > 0")
-    need(t.weight_sync_in_place_mb > 0, "trainer.weight_sync_in_place_mb", t.weight_sync_in_place_mb, "must be > 0")
-    need(t.dist_timeout_s > 0, "trainer.dist_timeout_s", t.dist_timeout_s, "must be > 0")
+    within("trainer.torch_threads", t.torch_threads, 0, MAX_THREADS, "0: max(1, int(trainer.num_cpus_per_rank))")
+    for name in ("weight_sync_bucket_mb", "weight_sync_in_place_mb"):
+        need(0 < getattr(t, name) <= MAX_BUFFER_MB, f"trainer.{name}", getattr(t, name),
+             f"must be in (0, {MAX_BUFFER_MB}] MB")
+    need(0 < t.dist_timeout_s <= MAX_TIMEOUT_S, "trainer.dist_timeout_s", t.dist_timeout_s,
+         f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
     for name in ("adam_beta1", "adam_beta2"):
         need(0 <= getattr(t, name) < 1, f"trainer.{name}", getattr(t, name), "must be in [0, 1)")
     need(t.adam_eps > 0, "trainer.adam_eps", t.adam_eps, "must be > 0")
@@ -180,11 +219,17 @@ def _check_values(c: Config, problems: list[str]) -> None:
     a = c.algorithm
     need(a.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
          "must be >= 2: group-relative advantages compare samples of the same prompt")
+    need(a.n_samples_per_prompt <= MAX_GROUP_SIZE, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
+         f"must be <= {MAX_GROUP_SIZE}")
     at_least("algorithm.prompts_per_step", a.prompts_per_step, 1)
     at_least("algorithm.max_staleness", a.max_staleness, 0, "0 = synchronous on-policy")
     at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
     one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
     samples = a.prompts_per_step * a.n_samples_per_prompt
+    need(samples <= MAX_SAMPLES_PER_STEP or a.n_samples_per_prompt > MAX_GROUP_SIZE, "algorithm.prompts_per_step",
+         a.prompts_per_step,
+         f"times algorithm.n_samples_per_prompt={a.n_samples_per_prompt} must be <= {MAX_SAMPLES_PER_STEP} "
+         "samples per step")
     need(1 <= t.mini_batches_per_step <= samples, "trainer.mini_batches_per_step", t.mini_batches_per_step,
          f"must be in [1, {samples}] (the samples per step: algorithm.prompts_per_step x n_samples_per_prompt)")
 
@@ -199,12 +244,13 @@ def _check_values(c: Config, problems: list[str]) -> None:
 
     # rollout
     r = c.rollout
-    at_least("rollout.num_workers", r.num_workers, 1)
-    at_least("rollout.max_concurrent_loops", r.max_concurrent_loops, 1)
+    within("rollout.num_workers", r.num_workers, 1, MAX_WORKERS)
+    within("rollout.max_concurrent_loops", r.max_concurrent_loops, 1, MAX_CONCURRENT_LOOPS, "per worker")
     at_least("rollout.max_new_tokens", r.max_new_tokens, 1)
     need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0 for RL sampling")
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    need(r.reward_timeout_s > 0, "rollout.reward_timeout_s", r.reward_timeout_s, "must be > 0")
+    need(0 < r.reward_timeout_s <= MAX_TIMEOUT_S, "rollout.reward_timeout_s", r.reward_timeout_s,
+         f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
     need(r.num_cpus_per_worker > 0, "rollout.num_cpus_per_worker", r.num_cpus_per_worker, "must be > 0")
 
     # cluster, logging, eval
@@ -217,7 +263,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("eval.every_steps", c.eval.every_steps, 0, "0: only before and after training")
     need(1 <= c.eval.num_problems <= c.data.heldout_size, "eval.num_problems", c.eval.num_problems,
          f"must be in [1, data.heldout_size={c.data.heldout_size}]")
-    for i, k in enumerate(c.eval.pass_k):
+    within("eval.n_samples", c.eval.n_samples, 1, MAX_GROUP_SIZE)
+    for i, k in enumerate(c.eval.pass_k if c.eval.n_samples >= 1 else []):
         need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
     at_least("eval.temperature", c.eval.temperature, 0)
 
@@ -236,8 +283,24 @@ def _check_cores(key: str, spec: str, cluster_address: str, problems: list[str])
                         f"(this machine offers {sorted(usable)})")
 
 
-def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None:
+def _floats(key: str, value: Any) -> Iterator[tuple[str, float]]:
+    """(key, value) of every float in a config: dataclass fields, list items and dict values."""
+    if isinstance(value, float):
+        yield key, value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _floats(f"{key}.{f.name}" if key else f.name, getattr(value, f.name))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _floats(f"{key}.{k}", v)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _floats(f"{key}[{i}]", v)
+
+
+def _check_data(key: str, d: Any, problems: list[str]) -> None:
     """A dataset agent's data settings (the `data` section, or an agent's params)."""
+    need, at_least, one_of, within = _checkers(problems)
     one_of(f"{key}.source", d.source, DATA_SOURCES)
     if d.source == "reasoning_gym":
         need(len(d.tasks) > 0, f"{key}.tasks", [], "give at least one task, e.g. [{name: basic_arithmetic}]")
@@ -260,15 +323,33 @@ def _check_data(key: str, d: Any, need: Any, at_least: Any, one_of: Any) -> None
                      "needs a group: group 1 is the reference answer")
             except re.error as e:
                 need(False, f"{key}.answer_regex", d.answer_regex, f"not a regular expression: {e}")
-    at_least(f"{key}.train_size", d.train_size, 1)
-    at_least(f"{key}.heldout_size", d.heldout_size, 1)
-    fields = {f for _, f, _, _ in string.Formatter().parse(d.prompt_template) if f}
-    if d.source == "reasoning_gym":  # {question} or fields of the task's metadata, checked when generating
-        need(bool(fields), f"{key}.prompt_template", d.prompt_template,
+    if d.source == "reasoning_gym":  # generated up front, all of them
+        for name in ("train_size", "heldout_size"):
+            within(f"{key}.{name}", getattr(d, name), 1, MAX_GENERATED_PROBLEMS, "problems generated")
+    else:  # at most this many rows of a file
+        at_least(f"{key}.train_size", d.train_size, 1)
+        at_least(f"{key}.heldout_size", d.heldout_size, 1)
+    _check_prompt_template(f"{key}.prompt_template", d.prompt_template, d.source, need)
+
+
+def _check_prompt_template(key: str, template: str, source: str, need: Any) -> None:
+    try:
+        placeholders = [(f, spec, conversion) for _, f, spec, conversion in string.Formatter().parse(template)
+                        if f is not None]
+    except ValueError as e:
+        need(False, key, template, f"not a format string: {e} (write {{{{ for a literal {{)")
+        return
+    # `{question.__class__}` would read attributes, `{question:>999999999}` pad without bound
+    if not all(f.isidentifier() and not spec and conversion is None for f, spec, conversion in placeholders):
+        need(False, key, template, "placeholders must be plain names such as {question}: "
+                                   "no attributes, indexes, conversions or format specs")
+        return
+    fields = {f for f, _, _ in placeholders}
+    if source == "reasoning_gym":  # {question} or fields of the task's metadata, checked when generating
+        need(bool(fields), key, template,
              "needs a placeholder: {question}, or a field of the task's metadata such as chain_sum's {expression}")
     else:
-        need(fields == {"question"}, f"{key}.prompt_template", d.prompt_template,
-             "must contain the placeholder {question} and no other")
+        need(fields == {"question"}, key, template, "must contain the placeholder {question} and no other")
 
 
 def _check_agents(c: Config, need: Any, at_least: Any) -> None:
