@@ -1,6 +1,7 @@
 """`asyncrl serve-env` on loopback through real HTTP: authentication, request limits,
 malformed bodies, unknown envs, that only registered agent types can be served, and that
-its bodies are the request types a remote agent sends."""
+its bodies are the request types a remote agent sends. The attacks on it (fuzzing, slow
+clients, inference elsewhere, ...) are tests/test_security_servers.py."""
 
 from __future__ import annotations
 
@@ -116,6 +117,21 @@ def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
     assert httpx.get(server + "/health").status_code == 200  # still serving
 
 
+def test_rollouts_are_capped_after_expansion_and_inference_stays_on_loopback(server):
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "problem_ids": ["retry/train/0"] * 4097,
+                                                "inference": INFERENCE}, headers={**AUTH}, timeout=30)
+    assert r.status_code == 413  # this server's 4096-byte limit comes first
+    r = httpx.post(server + "/grouped_rollouts/", json={"env_id": "retry", "problem_ids": ["retry/train/0"] * 200,
+                                                        "group_size": 21, "inference": INFERENCE}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["detail"] == "200 groups x 21 = 4200 rollouts, over 4096 per request"
+    r = httpx.post(server + "/evaluation/", json={"env_id": "word_problems", "n_samples": 20, "pass_k": [1],
+                                                  "inference": INFERENCE}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["detail"].startswith("200 problems x (1 greedy + 20 samples) = 4200")
+    r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "inference": {"base_url": "http://10.0.0.1/v1"}},
+                   headers=AUTH)
+    assert r.status_code == 403 and r.json()["detail"].startswith("inference.base_url host '10.0.0.1' is not allowed")
+
+
 def test_the_server_bodies_are_the_request_types_a_remote_agent_sends():
     from dataclasses import asdict
     from types import SimpleNamespace
@@ -180,3 +196,7 @@ def test_the_server_refuses_to_start_without_a_token_or_with_an_unregistered_typ
     assert out.returncode != 0
     assert "agent type 'subprocess.run' is not registered; registered types: dataset, reward_only, remote" \
            in out.stderr
+    out = subprocess.run([*ASYNCRL, "serve-env", "--config", str(CONFIG), "--allow-inference-host", "*.example.com"],
+                         capture_output=True, text=True, env={**os.environ, "ASYNCRL_ENV_TOKEN": TOKEN}, timeout=120)
+    assert out.returncode != 0
+    assert "allowed inference host '*.example.com': not a host name, IP address or network" in out.stderr

@@ -11,6 +11,11 @@ Wire: frames of a 4-byte big-endian length and a msgpack body.
   engine -> worker: one `_Reply` frame a request, in completion order.
 The address and the token travel through Ray (`EngineActor.open_channel()`), so only a process
 that may call the actor can generate. Bodies are typed msgpack, never pickle.
+
+What a peer without the token can make the engine do: the first frame must arrive within
+AUTH_TIMEOUT_S and claim at most MAX_TOKEN_FRAME_BYTES, checked from its 4-byte length before
+any of it is read; a frame claiming more, a wrong token or a stall drops the connection. After
+the token, frames are up to MAX_FRAME_BYTES, and one that is not a `_Request` drops it too.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 2**20  # a frame claiming more is not ours: the connection is dropped
+MAX_TOKEN_FRAME_BYTES = 256  # the token is 32 hex characters
 AUTH_TIMEOUT_S = 10.0
 
 
@@ -64,10 +70,10 @@ def _frame(body: bytes) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME_BYTES) -> bytes:
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"frame of {length} bytes (limit {MAX_FRAME_BYTES})")
+    if length > limit:
+        raise ValueError(f"frame of {length} bytes (limit {limit})")
     return await reader.readexactly(length)
 
 
@@ -102,7 +108,7 @@ class ChannelServer:
         requests: set[asyncio.Task] = set()
         self._connections.add(writer)
         try:
-            token = await asyncio.wait_for(_read_frame(reader), AUTH_TIMEOUT_S)
+            token = await asyncio.wait_for(_read_frame(reader, MAX_TOKEN_FRAME_BYTES), AUTH_TIMEOUT_S)
             if not hmac.compare_digest(token, self._token.encode()):
                 logger.warning("%s: refused a channel connection from %s (wrong token)", self._name, peer)
                 return
