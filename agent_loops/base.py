@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
+from asyncrl.config.schema import ToolsConfig
 from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, SamplingSpec, Segment, Trajectory, TrajectoryStatus
 
@@ -47,9 +48,10 @@ class AgentLoop:
     initial_state: str = "generating"
     states: tuple[str, ...] = ("generating",)  # each one a method of the same name
     extra_stop: tuple[str, ...] = ()  # stop strings this loop adds to every request (kept in the output)
+    uses_tools: bool = False  # runs `tools` (the rollout worker checks the sandbox at start)
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
-                 interrupt: asyncio.Event | None = None, env: Any = None):
+                 interrupt: asyncio.Event | None = None, env: Any = None, tools: ToolsConfig | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -57,6 +59,7 @@ class AgentLoop:
         self.interrupt = interrupt or asyncio.Event()
         # The problem's environment, for loops that ask it for observations (multi-turn).
         self.env = env
+        self.tools = tools or ToolsConfig()
 
     async def run(self, trajectory: Trajectory) -> LoopOutcome:
         """Start on a trajectory holding only the prompt."""
@@ -113,7 +116,9 @@ class AgentLoop:
     def append_env(self, snapshot: AgentLoopSnapshot, text: str) -> None:
         """Append `text` (a tool's output, an environment's reply) as environment tokens (loss
         mask 0), cut so the response never exceeds the token budget or the context."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: self.budget(snapshot)]
+        # split_special_tokens: text that spells a special token ("<|im_end|>", an EOS) stays text
+        ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids = ids[: self.budget(snapshot)]
         if ids:
             snapshot.trajectory.segments.append(Segment.from_env(ids))
 

@@ -1,7 +1,9 @@
 """partial_tool: generate, call tools, feed their outputs back, until done.
 
-The model calls a tool by writing `<tool:NAME>ARGUMENT</tool>`; the loop runs it and
-appends `<result>OUTPUT</result>` as environment tokens (loss mask 0, never trained on).
+The model calls a tool by writing `<tool:NAME>ARGUMENT</tool>`; the loop runs it (the
+`tools` config: call limit, timeout, sandbox) and appends `<result>OUTPUT</result>` as
+environment tokens (loss mask 0, never trained on). The output is escaped first, so that
+nothing a tool prints can close the result or open a call of its own.
 
 States (snapshot.state):
   generating     1) ask for what remains of the token budget, stopping at "</tool>"
@@ -10,8 +12,8 @@ States (snapshot.state):
                  3) a call is pending in the *whole* response (a call split by an
                     interruption is still found) -> calling_tools; otherwise done.
   calling_tools  4) run the pending call to completion, even if an interrupt arrives
-                    meanwhile; append its result -> generating. At the tool-call limit
-                    the trajectory ends, truncated.
+                    meanwhile; append its escaped result -> generating. At the tool-call
+                    limit (tools.max_calls) the trajectory ends, truncated.
 The interrupt flag is checked before each state's work, so a snapshot is never taken
 in the middle of a tool call.
 """
@@ -19,7 +21,6 @@ in the middle of a tool call.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from agent_loops.base import AgentLoop, LoopOutcome
 from agent_loops.registry import register_agent_loop
@@ -29,6 +30,8 @@ from asyncrl.types import AgentLoopSnapshot, GenerationResult, TrajectoryStatus
 TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>", re.S)
 TOOL_RESULT = re.compile(r"<result>.*?</result>", re.S)
 CALL_END = "</tool>"
+# What would make a tool's output parse as markup: "<tool:", "</tool>", "<result>", "</result>".
+_MARKUP = re.compile(r"<(?=/?(?:tool[:>]|result>))")
 
 
 @register_agent_loop("partial_tool")
@@ -36,11 +39,7 @@ class PartialToolLoop(AgentLoop):
     name = "partial_tool"
     states = ("generating", "calling_tools")
     extra_stop = (CALL_END,)
-
-    def __init__(self, *args: Any, max_tool_calls: int = 4, tool_timeout_s: float = 30.0, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.max_tool_calls = max_tool_calls
-        self.tool_timeout_s = tool_timeout_s
+    uses_tools = True
 
     def generated(self, snapshot: AgentLoopSnapshot, result: GenerationResult) -> LoopOutcome | None:
         if self.pending_call(snapshot) is None:  # 3)
@@ -50,12 +49,12 @@ class PartialToolLoop(AgentLoop):
 
     async def calling_tools(self, snapshot: AgentLoopSnapshot) -> LoopOutcome | None:
         calls_done = snapshot.loop_state.get("tool_calls", 0)
-        if calls_done >= self.max_tool_calls:
+        if calls_done >= self.tools.max_calls:
             return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls",
                                **snapshot.loop_state)
         name, argument = self.pending_call(snapshot)
-        output = await call_tool(name, argument, self.tool_timeout_s)  # 4)
-        self.append_env(snapshot, f"<result>{output}</result>")
+        output = await call_tool(name, argument, self.tools)  # 4)
+        self.append_env(snapshot, f"<result>{escape_markup(output)}</result>")
         snapshot.loop_state["tool_calls"] = calls_done + 1
         snapshot.state = "generating"
         return None
@@ -66,3 +65,8 @@ class PartialToolLoop(AgentLoop):
         calls = TOOL_CALL.findall(TOOL_RESULT.sub("", text))
         done = snapshot.loop_state.get("tool_calls", 0)
         return calls[done] if len(calls) > done else None
+
+
+def escape_markup(text: str) -> str:
+    """`text` with every "<" that would start tool or result markup written as "&lt;"."""
+    return _MARKUP.sub("&lt;", text)

@@ -11,6 +11,16 @@ VENV=.venv
 DEVICE=${ASYNCRL_DEVICE:-cpu}
 STAMP=$VENV/.asyncrl-installed
 
+# The python tool's sandbox (agent_loops/tools/python_sandbox.py) runs model code in bubblewrap.
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup_venv: installing bubblewrap (the python tool's sandbox) ..."
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; }
+  else
+    echo "setup_venv: bubblewrap (bwrap) is not installed: the python tool will refuse to run (docs/security.md)" >&2
+  fi
+fi
+
 # Re-install only when what we would install changed.
 want=$(cat setup.py constraints.txt <(echo "$DEVICE") | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from agent_loops import get_agent_loop
 from agent_loops.tools import TOOLS
+from asyncrl.config.schema import ToolsConfig
 from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Segment, Trajectory, TrajectoryStatus
 from tests.scripted_inference import DEFAULT_LOGPROB, Reply, ScriptedInference
 
@@ -183,7 +184,7 @@ def test_partial_tool_finds_a_call_split_by_an_abort(tokenizer):
 def test_partial_tool_completes_a_running_call_before_the_snapshot(tokenizer, monkeypatch):
     started, release = asyncio.Event(), asyncio.Event()
 
-    async def slow(argument):
+    async def slow(argument, sandbox):
         started.set()
         await release.wait()
         return argument.upper()
@@ -230,7 +231,8 @@ def test_partial_tool_interrupted_during_a_request_snapshots_before_calling(toke
 
 
 def test_partial_tool_stops_at_the_tool_call_limit(tokenizer):
-    loop, engine = make("partial_tool", tokenizer, [Reply(CALL), Reply(CALL)], max_new_tokens=100, max_tool_calls=1)
+    loop, engine = make("partial_tool", tokenizer, [Reply(CALL), Reply(CALL)], max_new_tokens=100,
+                        tools=ToolsConfig(max_calls=1))
     t = run(loop, tokenizer).trajectory
     assert t.status is TrajectoryStatus.TRUNCATED
     assert t.info == {"stop_reason": "max_tool_calls", "tool_calls": 1, "num_interruptions": 0}

@@ -253,7 +253,7 @@ class Agent(ABC):
 
         loop_cls = get_agent_loop(problem.agent_loop or self.agent_loop)
         return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
-                        env=functools.partial(self.observe, problem))
+                        env=functools.partial(self.observe, problem), tools=self.cfg.tools)
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward from its decoded response; a reward function that raises or

@@ -26,6 +26,7 @@ LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SANDBOX_ISOLATIONS = ("bwrap", "none")
 
 
 @dataclass
@@ -208,6 +209,32 @@ class RolloutConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Where and under which limits model-written code runs (docs/security.md)."""
+
+    # bwrap: bubblewrap namespaces (no network, own PID/mount/IPC/UTS), a read-only view of
+    # /usr and the interpreter, an unprivileged user. none: a plain child process with the
+    # limits below but no isolation; refused unless allow_unisolated is set.
+    isolation: str = "bwrap"
+    allow_unisolated: bool = False
+    cpu_s: int = 5
+    wall_s: float = 10.0
+    memory_mb: int = 512  # address space, per process
+    max_file_mb: int = 16  # largest file the code may write
+    max_processes: int = 16  # processes and threads of the sandbox's user
+    max_output_bytes: int = 4000  # read from the code's stdout+stderr; the rest is never read
+
+
+@dataclass
+class ToolsConfig:
+    """The tools that tool-calling agent loops (partial_tool) run."""
+
+    max_calls: int = 4  # per trajectory; at the limit the trajectory ends, truncated
+    timeout_s: float = 30.0  # per call, whatever the tool
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass
 class ClusterConfig:
     # Empty: start an embedded local Ray cluster; "auto": join the running one
     # (what `ray job submit` does); or a "host:port" address.
@@ -269,6 +296,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

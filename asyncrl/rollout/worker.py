@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agent_loops import get_agent_loop
+from agent_loops import get_agent_loop, registered_agent_loops
+from agent_loops.tools import check_sandbox
 from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
@@ -79,6 +80,9 @@ class RolloutWorker:
         self.inference = inference or self.router.client
         self.sink = sink
         self.agents = agents or build_agents(cfg)
+        loops = {a.agent_loop for a in self.agents.agents.values()} & set(registered_agent_loops())
+        if any(get_agent_loop(name).uses_tools for name in loops):
+            check_sandbox(cfg.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
