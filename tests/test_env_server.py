@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,16 +29,21 @@ def free_port() -> int:
 
 
 def start_server(config: Path, port: int, token: str = TOKEN, *extra: str) -> subprocess.Popen:
+    """serve-env in a subprocess; its log goes to a file (a pipe nobody reads would fill up and
+    block the server's logging)."""
     env = {**os.environ, "ASYNCRL_ENV_TOKEN": token}
-    return subprocess.Popen([*ASYNCRL, "serve-env", "--config", str(config), "--port", str(port), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.NamedTemporaryFile("w+", prefix="serve-env-", suffix=".log", delete=False)
+    proc = subprocess.Popen([*ASYNCRL, "serve-env", "--config", str(config), "--port", str(port), *extra],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = log.name
+    return proc
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"serve-env exited {proc.returncode}: {proc.stdout.read()[-3000:]}")
+            raise AssertionError(f"serve-env exited {proc.returncode}: {Path(proc.log_path).read_text()[-3000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return
@@ -183,6 +189,11 @@ def test_a_remote_agent_is_served_problems_groups_and_a_greedy_only_evaluation(s
     response = asyncio.run(remote.evaluate(heldout[:2], nowhere, 0, 1.0, [1, 8]))
     assert [r.prompt_id for r in response.results] == [p.prompt_id for p in heldout[:2]]
     assert not any(m.startswith("pass@") for m in response.metrics())
+    # more than one request's worth of rollouts: split into requests under the server's cap, in order
+    monkeypatch.setattr("asyncrl.agents.remote.MAX_ROLLOUTS_PER_REQUEST", 3 * (1 + 2))
+    response = asyncio.run(remote.evaluate(heldout[:7], nowhere, 2, 1.0, [1, 8]))
+    assert [r.prompt_id for r in response.results] == [p.prompt_id for p in heldout[:7]]
+    assert response.pass_k == [1] and all(len(r.sampled_rewards) == 2 for r in response.results)
 
 
 def test_the_server_refuses_to_start_without_a_token_or_with_an_unregistered_type(tmp_path):

@@ -12,6 +12,7 @@ and come back scored, with their token ids, logprobs and policy versions.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import httpx
 from omegaconf import MISSING
 
 from asyncrl.agents.api import (
+    MAX_ROLLOUTS_PER_REQUEST,
     SPLITS,
     Agent,
     EvaluationRequest,
@@ -132,11 +134,18 @@ class RemoteAgent(Agent):
 
     async def evaluate(self, problems: list[Problem], inference: InferenceInterface, n_samples: int,
                        temperature: float, pass_k: list[int]) -> EvaluationResponse:
-        out = await self._post("/evaluation/", EvaluationRequest(
-            self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(p.prompt_id) for p in problems],
-            # a k above n_samples has no pass@k (a local agent's metrics leave it out); the server refuses it
-            n_samples=n_samples, temperature=temperature, pass_k=[k for k in pass_k if k <= n_samples]))
-        response = EvaluationResponse.from_dict(out)
+        # the server takes at most MAX_ROLLOUTS_PER_REQUEST rollouts (greedy + samples) a request
+        per_request = max(1, MAX_ROLLOUTS_PER_REQUEST // (1 + n_samples))
+        chunks = [problems[i:i + per_request] for i in range(0, len(problems), per_request)]
+        # a k above n_samples has no pass@k (a local agent's metrics leave it out); the server refuses it
+        pass_k = [k for k in pass_k if k <= n_samples]
+        outs = await asyncio.gather(*[self._post("/evaluation/", EvaluationRequest(
+            self.remote_env_id, self._endpoint(inference), problem_ids=[self._remote_id(p.prompt_id) for p in chunk],
+            n_samples=n_samples, temperature=temperature, pass_k=pass_k)) for chunk in chunks])
+        parts = [EvaluationResponse.from_dict(out) for out in outs]
+        response = parts[0] if parts else EvaluationResponse(self.env_id, [], pass_k, temperature)
+        response.results = [r for part in parts for r in part.results]
+        response.seconds = max((part.seconds for part in parts), default=0.0)
         response.env_id = self.env_id
         for r, p in zip(response.results, problems):
             r.prompt_id, r.env_id = p.prompt_id, self.env_id
