@@ -19,6 +19,11 @@ from tests.conftest import run_cli
 # floats, timeouts that never or always fire, prompt templates that read attributes or pad
 # without bound. Each must be refused by validation with exactly one problem.
 BAD_OVERRIDES = [
+    (["tools.sandbox.isolation=none"], "tools.sandbox.isolation='none': runs model-written code without isolation"),
+    (["tools.sandbox.isolation=docker"], "tools.sandbox.isolation='docker': must be one of bwrap, none"),
+    (["tools.sandbox.max_processes=0"], "tools.sandbox.max_processes=0: must be in [1, 4096]"),
+    (["tools.sandbox.memory_mb=1"], "tools.sandbox.memory_mb=1: must be in [64, 1048576]"),
+    (["tools.timeout_s=-1"], "tools.timeout_s=-1.0: must be in (0, 86400] seconds"),
     (["rollout.num_workers=100000"], "rollout.num_workers=100000: must be in [1, 1024]"),
     (["rollout.num_workers=0"], "rollout.num_workers=0: must be in [1, 1024]"),
     (["rollout.max_concurrent_loops=10000000"], "rollout.max_concurrent_loops=10000000: must be in [1, 16384]"),

@@ -29,6 +29,7 @@ from asyncrl.config.schema import (
     LOSS_TYPES,
     LR_SCHEDULES,
     PAUSE_MODES,
+    SANDBOX_ISOLATIONS,
     TRAINER_BACKENDS,
     WANDB_MODES,
     Config,
@@ -252,6 +253,20 @@ def _check_values(c: Config, problems: list[str]) -> None:
     need(0 < r.reward_timeout_s <= MAX_TIMEOUT_S, "rollout.reward_timeout_s", r.reward_timeout_s,
          f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
     need(r.num_cpus_per_worker > 0, "rollout.num_cpus_per_worker", r.num_cpus_per_worker, "must be > 0")
+
+    # tools
+    t, sb = c.tools, c.tools.sandbox
+    within("tools.max_calls", t.max_calls, 0, 1024)
+    need(0 < t.timeout_s <= MAX_TIMEOUT_S, "tools.timeout_s", t.timeout_s, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    one_of("tools.sandbox.isolation", sb.isolation, SANDBOX_ISOLATIONS)
+    need(sb.isolation != "none" or sb.allow_unisolated, "tools.sandbox.isolation", sb.isolation,
+         "runs model-written code without isolation: also set tools.sandbox.allow_unisolated=true to accept that")
+    within("tools.sandbox.cpu_s", sb.cpu_s, 1, 3600)
+    need(0 < sb.wall_s <= 3600, "tools.sandbox.wall_s", sb.wall_s, "must be in (0, 3600] seconds")
+    within("tools.sandbox.memory_mb", sb.memory_mb, 64, 1 << 20)
+    within("tools.sandbox.max_file_mb", sb.max_file_mb, 0, 1 << 20)
+    within("tools.sandbox.max_processes", sb.max_processes, 1, 4096)
+    within("tools.sandbox.max_output_bytes", sb.max_output_bytes, 1, 1 << 24)
 
     # cluster, logging, eval
     one_of("cluster.device", c.cluster.device, DEVICES)
