@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T", bound=type)
@@ -32,3 +32,8 @@ def get_agent_loop(name: str) -> type:
 
 def registered_agent_loops() -> list[str]:
     return sorted(_LOOPS)
+
+
+def any_uses_tools(names: Iterable[str]) -> bool:
+    """Whether one of these loops runs tools (names of no registered loop are left out)."""
+    return any(_LOOPS[name].uses_tools for name in names if name in _LOOPS)

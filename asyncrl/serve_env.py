@@ -18,6 +18,8 @@ import logging
 import os
 import sys
 
+from agent_loops import any_uses_tools
+from agent_loops.tools import SandboxUnavailable, check_sandbox
 from asyncrl.agents.registry import build_agents
 from asyncrl.agents.server import InferenceHosts, ServerLimits, create_app, uvicorn_config
 from asyncrl.run_config import load_config_file
@@ -56,11 +58,17 @@ def main(argv: list[str] | None = None) -> None:
                           inference_hosts=tuple(args.allow_inference_host))
     try:
         InferenceHosts(limits.inference_hosts)
-        agents = build_agents(load_config_file(args.config, args.overrides))
+        cfg = load_config_file(args.config, args.overrides)
+        agents = build_agents(cfg)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         sys.exit(f"asyncrl serve-env: {e}")
     for a in agents.agents.values():  # load problems now: a broken dataset fails at start
         a.problems("train"), a.problems("heldout")
+    if any_uses_tools(a.agent_loop for a in agents.agents.values()):
+        try:
+            check_sandbox(cfg.tools.sandbox)
+        except SandboxUnavailable as e:
+            sys.exit(f"asyncrl serve-env: {e}")
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)

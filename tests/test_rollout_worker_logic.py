@@ -281,3 +281,14 @@ def test_agent_rollout_runs_the_same_sample_path(cfg, problems):
     done = asyncio.run(run_sample(agent, p, dead, agent.sampling(), start))
     assert done.failure == Failure("loop_error", "RuntimeError: engine died")
     assert done.trajectory.failure_reason == "loop_error: RuntimeError: engine died" and done.snapshot is None
+
+
+def test_a_worker_whose_loops_run_tools_fails_at_start_on_a_host_that_cannot_sandbox(cfg, monkeypatch):
+    from agent_loops.tools import SandboxUnavailable, python_sandbox
+
+    tool_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent_loop="partial_tool"))
+    make_worker(tool_cfg)  # bubblewrap is here
+    monkeypatch.setattr(python_sandbox, "_bwrap", lambda: None)
+    make_worker(cfg)  # no loop of this run calls tools
+    with pytest.raises(SandboxUnavailable, match="needs bubblewrap"):
+        make_worker(tool_cfg)

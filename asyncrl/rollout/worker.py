@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agent_loops import get_agent_loop, registered_agent_loops
+from agent_loops import any_uses_tools, get_agent_loop
 from agent_loops.tools import check_sandbox
 from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
@@ -80,8 +80,7 @@ class RolloutWorker:
         self.inference = inference or self.router.client
         self.sink = sink
         self.agents = agents or build_agents(cfg)
-        loops = {a.agent_loop for a in self.agents.agents.values()} & set(registered_agent_loops())
-        if any(get_agent_loop(name).uses_tools for name in loops):
+        if any_uses_tools(a.agent_loop for a in self.agents.agents.values()):
             check_sandbox(cfg.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
