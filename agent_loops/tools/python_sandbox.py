@@ -133,10 +133,15 @@ async def run_python(code: str, cfg: SandboxConfig | None = None) -> str:
             finally:
                 os.close(write_end)
         output = _Output(read_end)
-        try:
-            data, truncated = await asyncio.wait_for(output.read(cfg.max_output_bytes), timeout=cfg.wall_s)
+
+        async def finish() -> tuple[bytes, bool]:
+            data, truncated = await output.read(cfg.max_output_bytes)
             if not truncated:  # at the cap the run is killed, below
-                await asyncio.wait_for(proc.wait(), timeout=cfg.wall_s)
+                await proc.wait()
+            return data, truncated
+
+        try:
+            data, truncated = await asyncio.wait_for(finish(), timeout=cfg.wall_s)
         except asyncio.TimeoutError:
             return f"error: wall-time limit of {cfg.wall_s:g}s exceeded"
         finally:  # whatever happened (a timeout, the cap, the caller cancelling): nothing is left running
