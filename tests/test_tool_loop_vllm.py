@@ -121,7 +121,7 @@ def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model
             elif where == "call_pending":  # generation stopped at "</tool>"; the call has not run
                 client.after_call = loop.interrupt.set
             else:  # the interrupt arrives while the tool runs: the call must complete first
-                async def slow_calculator(argument):
+                async def slow_calculator(argument, sandbox):
                     loop.interrupt.set()
                     await asyncio.sleep(0.2)
                     return calculate(argument)
