@@ -48,6 +48,7 @@ class AgentLoop:
     initial_state: str = "generating"
     states: tuple[str, ...] = ("generating",)  # each one a method of the same name
     extra_stop: tuple[str, ...] = ()  # stop strings this loop adds to every request (kept in the output)
+    extra_stop_token_ids: tuple[int, ...] = ()  # stop tokens this loop adds to every request (kept too)
     uses_tools: bool = False  # runs `tools` (the rollout worker checks the sandbox at start)
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
@@ -79,11 +80,12 @@ class AgentLoop:
 
     async def generating(self, snapshot: AgentLoopSnapshot) -> LoopOutcome | None:
         """The generating state: out of budget -> truncated; otherwise generate what remains of
-        the budget, stopping also at `extra_stop`; aborted by the engine -> snapshot (the partial
-        tokens are kept); finished -> `generated` says what next."""
+        the budget, stopping also at `extra_stop` and `extra_stop_token_ids`; aborted by the
+        engine -> snapshot (the partial tokens are kept); finished -> `generated` says what next."""
         if self.budget(snapshot) == 0:
             return self.finish(snapshot, TrajectoryStatus.TRUNCATED, **snapshot.loop_state)
-        result = await self.generate(snapshot, stop=[*self.sampling.stop, *self.extra_stop])
+        result = await self.generate(snapshot, stop=[*self.sampling.stop, *self.extra_stop],
+                                     stop_token_ids=[*self.sampling.stop_token_ids, *self.extra_stop_token_ids])
         if result.interrupted:
             return self.interrupted(snapshot, "generating")
         return self.generated(snapshot, result)
