@@ -120,6 +120,10 @@ class AgentLoop:
         mask 0), cut so the response never exceeds the token budget or the context."""
         # split_special_tokens: text that spells a special token ("<|im_end|>", an EOS) stays text
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        self.append_env_ids(snapshot, ids)
+
+    def append_env_ids(self, snapshot: AgentLoopSnapshot, ids: list[int]) -> None:
+        """Append token ids as environment tokens (loss mask 0), cut like `append_env`."""
         ids = ids[: self.budget(snapshot)]
         if ids:
             snapshot.trajectory.segments.append(Segment.from_env(ids))
