@@ -23,7 +23,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.tasks import Problem
 
 TEMPLATES_DIR = Path(__file__).parent / "chat_templates"
 # Stands in for a message's content while rendering; never produced by a tokenizer or a model.
@@ -193,3 +196,11 @@ def chat_format(tokenizer: Any, template_name: str = "") -> ChatFormat:
     if fmt is None or fmt.tokenizer is not tokenizer:
         fmt = _FORMATS[key] = ChatFormat(tokenizer, template, template_name)
     return fmt
+
+
+def prompt_token_ids(problem: Problem, tokenizer: Any) -> list[int]:
+    """A problem's prompt: its messages rendered with the tokenizer's chat template (tools
+    offered), or its prompt text encoded; [] for an empty prompt."""
+    if problem.messages:
+        return chat_format(tokenizer).prompt(problem.messages, problem.tools)
+    return tokenizer.encode(problem.prompt) if problem.prompt.strip() else []

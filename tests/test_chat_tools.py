@@ -297,3 +297,22 @@ def test_an_interrupt_while_a_tool_runs_completes_the_call_then_snapshots(tokeni
     assert snapshot.state == "generating" and snapshot.loop_state == {"tool_calls": 1}
     t, _ = resumed(tokenizer, snapshot, [Reply(TURN2)])
     assert t.response_token_ids == uninterrupted(tokenizer, chat).response_token_ids
+
+
+def test_a_problems_prompt_is_its_rendered_messages_or_its_text(tokenizer, chat):
+    from agent_loops.chat import prompt_token_ids
+
+    chat_problem = Problem("p", "t", "q", "", "a", messages=MESSAGES, tools=tool_schemas(["calculator"]))
+    assert prompt_token_ids(chat_problem, tokenizer) == chat.prompt(MESSAGES, tool_schemas(["calculator"]))
+    assert prompt_token_ids(Problem("p", "t", "q", "1 + 2 =", "a"), tokenizer) == tokenizer.encode("1 + 2 =")
+
+
+def test_the_config_names_a_shipped_chat_template_and_a_known_parser(base_model):
+    from asyncrl.config import ConfigError
+    from asyncrl.run_config import load_config
+
+    assert load_config(["model.chat_template=chatml", "tools.parser=simple"]).model.chat_template == "chatml"
+    with pytest.raises(ConfigError, match="model.chat_template='nope': not a shipped chat template; shipped: chatml"):
+        load_config(["model.chat_template=nope"])
+    with pytest.raises(ConfigError, match="tools.parser"):
+        load_config(["tools.parser=xml"])
