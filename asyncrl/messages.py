@@ -20,8 +20,8 @@ from asyncrl.types import TrajectoryGroup
 class Failure:
     """Why a prompt or a trajectory failed: a stable `code` to count by, and a `detail` for people.
 
-    Codes: empty_prompt, prompt_too_long, unknown_env, unknown_agent_loop (a row rejected at
-    submit); loop_error, remote_error (a sample that could not be generated); reward_error,
+    Codes: empty_prompt, prompt_too_long, unknown_env, unknown_agent_loop, bad_chat_template (a
+    row rejected at submit); loop_error, remote_error (a sample that could not be generated); reward_error,
     reward_timeout (a reward function that raised or hung: reward 0)."""
 
     code: str

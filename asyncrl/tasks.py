@@ -23,7 +23,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Problem:
-    """One task instance: the prompt text shown to the model and what scoring needs."""
+    """One task instance: the prompt shown to the model and what scoring needs.
+
+    The prompt is `prompt` (text), or, when `messages` is set, a conversation (OpenAI chat
+    messages: role system / user / assistant / tool, content, tool_calls) rendered with the
+    model's chat template, offering `tools` (OpenAI function schemas) to the model.
+    """
 
     prompt_id: str  # unique and stable: "<split>/<task>/<index>"
     task: str
@@ -33,6 +38,8 @@ class Problem:
     entry: dict[str, Any] = field(repr=False, default_factory=dict)  # reasoning-gym's item, for its scorer
     agent_loop: str = ""  # the loop for this row; empty: the agent's (or rollout.agent_loop)
     env_id: str = ""  # the agent (environment) the problem belongs to: its reward, its loop
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 class TaskSource:

@@ -64,7 +64,7 @@ def test_config_validation_refuses_an_unknown_default_loop(base_model):
     from asyncrl.run_config import load_config
 
     with pytest.raises(ConfigError, match="rollout.agent_loop='no_such_loop': not a registered agent loop; "
-                                          "registered: multi_turn, partial_single_turn, partial_tool"):
+                                          "registered: chat_tool, multi_turn, partial_single_turn, partial_tool"):
         load_config(["rollout.agent_loop=no_such_loop"])
 
 

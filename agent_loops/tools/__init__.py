@@ -33,17 +33,28 @@ async def call_tool(name: str, argument: str, tools: ToolsConfig | None = None) 
     """Run tool `name` under `tools.timeout_s`; unknown tools, exceptions and timeouts become
     "error: ..." text."""
     tools = tools or ToolsConfig()
-    tool = TOOLS.get(name)
-    if tool is None:
-        return f"error: unknown tool {name!r}; available: {', '.join(sorted(TOOLS))}"
+    if name not in TOOLS:
+        return unknown_tool(name)
+    output, _ = await run_tool(name, argument, tools)
+    return output
+
+
+def unknown_tool(name: str) -> str:
+    return f"error: unknown tool {name!r}; available: {', '.join(sorted(TOOLS))}"
+
+
+async def run_tool(name: str, argument: str, tools: ToolsConfig) -> tuple[str, str]:
+    """Run the known tool `name` under `tools.timeout_s`: (output, "") or, when it timed out
+    or raised, ("error: ..." text, the reason: "timeout" or "tool_exception")."""
     try:
-        return await asyncio.wait_for(tool(argument, tools.sandbox), timeout=tools.timeout_s)
+        return await asyncio.wait_for(TOOLS[name](argument, tools.sandbox), timeout=tools.timeout_s), ""
     except asyncio.TimeoutError:
-        return f"error: tool {name!r} took longer than {tools.timeout_s:g}s"
+        return f"error: tool {name!r} took longer than {tools.timeout_s:g}s", "timeout"
     except SandboxUnavailable:
         raise
     except Exception as e:  # a tool bug must not kill the rollout
-        return f"error: tool {name!r} failed: {type(e).__name__}: {e}"
+        return f"error: tool {name!r} failed: {type(e).__name__}: {e}", "tool_exception"
 
 
-__all__ = ["TOOLS", "SandboxUnavailable", "call_tool", "calculate", "check_sandbox", "python_sandbox", "run_python"]
+__all__ = ["TOOLS", "SandboxUnavailable", "call_tool", "calculate", "check_sandbox", "python_sandbox", "run_python",
+           "run_tool", "unknown_tool"]

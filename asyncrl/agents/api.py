@@ -189,11 +189,17 @@ class EvaluationResponse:
 # -- the agent --------------------------------------------------------------------------
 
 @functools.cache
-def load_tokenizer(path: str) -> Any:
-    """One tokenizer per path and process, shared by every agent (and the rollout worker)."""
+def load_tokenizer(path: str, chat_template: str = "") -> Any:
+    """One tokenizer per path (and chat template) and process, shared by every agent (and the
+    rollout worker); `chat_template` names a shipped template that replaces the tokenizer's own."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from agent_loops.chat import load_named_template
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        tokenizer.chat_template = load_named_template(chat_template)
+    return tokenizer
 
 
 class Agent(ABC):
@@ -239,7 +245,7 @@ class Agent(ABC):
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        return load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path)
+        return load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path, self.cfg.model.chat_template)
 
     def sampling(self, temperature: float | None = None) -> SamplingSpec:
         r = self.cfg.rollout

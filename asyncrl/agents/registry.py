@@ -50,11 +50,16 @@ def agent_params(spec: AgentConfig) -> Any:
 
 def check_registered(cfg: Config) -> list[str]:
     """The config's names that must be registered: agent loops (rollout.agent_loop and each
-    agent's), agent types and their params (a dataset agent's data settings included)."""
+    agent's), the chat template, agent types and their params (a dataset agent's data settings
+    included)."""
     from agent_loops import registered_agent_loops
+    from agent_loops.chat import named_templates
 
     loops = registered_agent_loops()
     problems = []
+    if cfg.model.chat_template and cfg.model.chat_template not in named_templates():
+        problems.append(f"model.chat_template={cfg.model.chat_template!r}: not a shipped chat template; "
+                        f"shipped: {', '.join(named_templates())} (empty: the tokenizer's own)")
     if cfg.rollout.agent_loop not in loops:
         problems.append(f"rollout.agent_loop={cfg.rollout.agent_loop!r}: not a registered agent loop; "
                         f"registered: {', '.join(loops)}")

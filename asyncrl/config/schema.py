@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 WANDB_MODES = ("offline", "online", "disabled")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SANDBOX_ISOLATIONS = ("bwrap", "none")
+TOOL_PARSERS = ("hermes", "simple")  # agent_loops.tool_parsers
 
 
 @dataclass
@@ -49,6 +50,9 @@ class ModelConfig:
     path: str = MISSING
     # Tokenizer directory; empty means `path`.
     tokenizer_path: str = ""
+    # The chat template problems given as messages are rendered with: empty means the
+    # tokenizer's own; otherwise the name of one shipped in agent_loops/chat_templates/.
+    chat_template: str = ""
 
 
 @dataclass
@@ -227,9 +231,12 @@ class SandboxConfig:
 
 @dataclass
 class ToolsConfig:
-    """The tools that tool-calling agent loops (partial_tool) run."""
+    """The tools that tool-calling agent loops (partial_tool, chat_tool) run."""
 
     max_calls: int = 4  # per trajectory; at the limit the trajectory ends, truncated
+    # How chat_tool reads calls: hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>)
+    # or simple (<tool:NAME>ARGUMENT</tool>, the markup partial_tool always reads).
+    parser: str = "hermes"
     timeout_s: float = 30.0  # per call, whatever the tool
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 

@@ -30,6 +30,7 @@ from asyncrl.config.schema import (
     LR_SCHEDULES,
     PAUSE_MODES,
     SANDBOX_ISOLATIONS,
+    TOOL_PARSERS,
     TRAINER_BACKENDS,
     WANDB_MODES,
     Config,
@@ -258,6 +259,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     t, sb = c.tools, c.tools.sandbox
     within("tools.max_calls", t.max_calls, 0, 1024)
     need(0 < t.timeout_s <= MAX_TIMEOUT_S, "tools.timeout_s", t.timeout_s, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    one_of("tools.parser", t.parser, TOOL_PARSERS)
     one_of("tools.sandbox.isolation", sb.isolation, SANDBOX_ISOLATIONS)
     need(sb.isolation != "none" or sb.allow_unisolated, "tools.sandbox.isolation", sb.isolation,
          "runs model-written code without isolation: also set tools.sandbox.allow_unisolated=true to accept that")

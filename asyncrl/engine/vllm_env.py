@@ -73,6 +73,7 @@ def vllm_sampling_params(sampling: SamplingSpec, stream: bool = True) -> Any:
         top_p=sampling.top_p,
         stop=list(sampling.stop) or None,
         include_stop_str_in_output=True,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
         logprobs=0,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,

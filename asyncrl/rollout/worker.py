@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from agent_loops import any_uses_tools, get_agent_loop
+from agent_loops.chat import ChatTemplateError, prompt_token_ids
 from agent_loops.tools import check_sandbox
 from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
@@ -82,7 +83,8 @@ class RolloutWorker:
         self.agents = agents or build_agents(cfg)
         if any_uses_tools(a.agent_loop for a in self.agents.agents.values()):
             check_sandbox(cfg.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)  # the agents' too
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                                        cfg.model.chat_template)  # the agents' too
         self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
                                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
@@ -175,13 +177,15 @@ class RolloutWorker:
 
     def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
         """The row's pending group, or None with a counted reason."""
-        ids = self.tokenizer.encode(problem.prompt) if problem.prompt.strip() else []
-        failure, agent = None, None
+        failure, agent, ids = None, None, []
         try:
             agent = self.agents.agent_for(problem)
             get_agent_loop(problem.agent_loop or agent.agent_loop)
+            ids = prompt_token_ids(problem, self.tokenizer)
         except KeyError as e:
             failure = Failure("unknown_env" if agent is None else "unknown_agent_loop", str(e.args[0]))
+        except ChatTemplateError as e:
+            failure = Failure("bad_chat_template", str(e))
         if failure is None and not ids:
             failure = Failure("empty_prompt")
         elif failure is None and len(ids) >= self.cfg.engine.max_model_len:
