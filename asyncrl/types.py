@@ -24,8 +24,8 @@ class SamplingSpec:
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)  # stop strings, kept in the output
-    stop_token_ids: list[int] = field(default_factory=list)  # stop tokens (special ones too), kept in the output
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests)
+    stop_token_ids: list[int] = field(default_factory=list)  # stop tokens (special ones too), kept in the output
 
 
 @dataclass

@@ -163,8 +163,9 @@ def test_the_server_bodies_are_the_request_types_a_remote_agent_sends():
     assert api.EvaluationRequest("e", Endpoint(**INFERENCE)).pass_k == [1, 8]
 
     # What a remote agent sends (every field, nested ones included) is what the server reads.
+    sampling = SamplingSpec(16, 0.7, 0.9, ["\n"], True, [7])
     sent = api.GroupedRolloutRequest("e", Endpoint(**INFERENCE, model="m", api_key="k"), problem_ids=["p"],
-                                     group_size=4, group_ids=["g"], sampling=SamplingSpec(16, 0.7, 0.9, ["\n"], True))
+                                     group_size=4, group_ids=["g"], sampling=sampling)
     read = TypeAdapter(api.GroupedRolloutRequest).validate_json(httpx.Request("POST", "/", json=asdict(sent)).content)
     assert asdict(read) == asdict(sent)
     assert isinstance(read.inference, Endpoint) and isinstance(read.sampling, SamplingSpec)
