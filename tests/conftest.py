@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +42,35 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"{_ATTACKS['tried']} attacks tried, {_ATTACKS['held']} held")
         for nodeid in _ATTACKS["through"]:
             terminalreporter.write_line(f"  got through: {nodeid}")
+
+
+# -- how `make test` spreads the suite over pytest-xdist workers (-n 2 --dist loadgroup) ------------
+# A group runs in one worker, in collection order: by default a module (its module-scoped engines
+# start once); the modules on the session's base engines share one group; a test marked `alone`
+# (an end-to-end run in subprocesses, sharing nothing) is a group of its own, so such runs spread
+# over the workers. Groups with slow tests are handed out first: the long runs start early and
+# the quick tests fill the gaps at the end (the Makefile keeps this order: --no-loadscope-reorder).
+
+BASE_ENGINE_MODULES = ("test_engine_vllm", "test_rollout_worker")
+_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_groups = set()
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if item.get_closest_marker("alone"):
+            group = re.sub(r"\W", "_", item.nodeid)  # xdist reads the group after the last "@"
+        elif module in BASE_ENGINE_MODULES:
+            group = "base_engines"
+        else:
+            group = module
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+        if "slow" in item.keywords:
+            slow_groups.add(group)
+    items.sort(key=lambda item: item.stash[_GROUP] not in slow_groups)  # stable: a group keeps its order
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:

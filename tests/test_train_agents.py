@@ -15,7 +15,7 @@ from tests.conftest import ASYNCRL, run_cli
 from tests.test_env_server import CONFIG, TOKEN, free_port, start_server, wait_ready
 from tests.test_train_e2e import TINY_SETTINGS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 SMALL_EVAL = ["eval.num_problems=8", "eval.n_samples=2", "eval.pass_k=[1,2]"]
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # The model in vLLM's engine-core process: one process fewer to start (~10 s of importing vLLM).
 # The runs with a vLLM worker process of its own (the default) set it back to false.

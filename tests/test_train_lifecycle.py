@@ -23,38 +23,34 @@ from tests.conftest import ASYNCRL, REPO, run_cli
 from tests.test_env_server import free_port
 from tests.test_train_e2e import TINY, check_run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-MARKERS = ("ray::", "raylet", "gcs_server", "EngineCore", "dashboard", "log_monitor", "runtime_env_agent")
+def cluster_tag() -> str:
+    """A value for ASYNCRL_TEST_CLUSTER: every process a run starts inherits it, so the test finds
+    exactly its own processes (other tests' runs may be going on beside it)."""
+    return f"lifecycle-{os.getpid()}-{time.monotonic_ns()}"
 
 
-def stack_processes() -> dict[int, str]:
-    out = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if any(m in cmd for m in MARKERS):
-            out[p.info["pid"]] = cmd[:120]
-    return out
+def tagged(tag: str) -> list[psutil.Process]:
+    """The live processes whose environment carries ASYNCRL_TEST_CLUSTER=tag."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("ASYNCRL_TEST_CLUSTER") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
 
 
 def kill_tagged(tag: str, grace_s: float = 10) -> None:
-    """Stop every process whose environment carries ASYNCRL_TEST_CLUSTER=tag (TERM, then KILL)."""
-    def tagged() -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get("ASYNCRL_TEST_CLUSTER") == tag:
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        return found
-
-    procs = tagged()
+    """Stop every process of the tagged cluster (TERM, then KILL)."""
+    procs = tagged(tag)
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive + tagged():
+    for p in alive + tagged(tag):
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
 
@@ -70,26 +66,31 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -
     raise AssertionError("no train step within the timeout")
 
 
-def leftovers(before: dict[int, str], wait_s: float = 30) -> dict[int, str]:
+def leftovers(tag: str, wait_s: float = 30) -> dict[int, str]:
+    """The run's processes (Ray's, vLLM's, the driver's) still alive `wait_s` after it ended."""
     deadline = time.monotonic() + wait_s
     while True:
-        new = {pid: cmd for pid, cmd in stack_processes().items() if pid not in before}
-        if not new or time.monotonic() > deadline:
-            return new
+        left = {}
+        for p in tagged(tag):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                left[p.pid] = " ".join(p.cmdline())[:120]
+        if not left or time.monotonic() > deadline:
+            return left
         time.sleep(1)
 
 
-def start_training(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def start_training(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     args = [*TINY, "trainer.total_steps=200", "eval.every_steps=0", f"run.output_dir={run_dir}"]
     proc = subprocess.Popen([*ASYNCRL, "train", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "ASYNCRL_TEST_CLUSTER": tag})
     return proc, run_dir
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    before = stack_processes()
-    proc, run_dir = start_training(tmp_path)
+    tag = cluster_tag()
+    proc, run_dir = start_training(tmp_path, tag)
     try:
         wait_for_step(run_dir, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
@@ -99,17 +100,16 @@ def test_ctrl_c_stops_every_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted" in out
-    assert leftovers(before) == {}
+    assert leftovers(tag) == {}
 
 
 def test_an_actor_that_dies_ends_the_run_with_its_error_and_no_leftovers(tmp_path):
-    before = stack_processes()
-    proc, run_dir = start_training(tmp_path)
+    tag = cluster_tag()
+    proc, run_dir = start_training(tmp_path, tag)
     try:
         wait_for_step(run_dir, proc)
-        victims = [p for p in psutil.process_iter(["pid", "cmdline"])
-                   if "ray::TrainerRank" in " ".join(p.info["cmdline"] or [])]
-        assert victims, stack_processes()
+        victims = [p for p in tagged(tag) if "ray::TrainerRank" in " ".join(p.cmdline())]
+        assert victims, leftovers(tag, wait_s=0)
         victims[0].kill()  # the injected error: trainer rank 0 dies mid-run
         out, err = proc.communicate(timeout=180)
     finally:
@@ -117,28 +117,28 @@ def test_an_actor_that_dies_ends_the_run_with_its_error_and_no_leftovers(tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
     assert "asyncrl train: failed" in err and "TrainerRank" in err
-    assert leftovers(before) == {}
+    assert leftovers(tag) == {}
 
 
 def test_a_run_under_ray_job_submit_checkpoints_and_a_new_run_resumes_from_it(tmp_path):
     """Submitted to a `ray start --head` cluster on loopback, a run checkpoints at step 2
     (trainer state, queue contents, ledger); a new run continues from it to step 4 and every
     prompt is still accounted for."""
-    # Every process of this cluster inherits the tag, so that the test stops exactly those (`ray
-    # stop` would stop every Ray cluster on the machine, the test session's own included).
-    tag = f"lifecycle-{os.getpid()}-{time.monotonic_ns()}"
+    # The test stops exactly this cluster's processes by their tag (`ray stop` would stop every Ray
+    # cluster on the machine, the test session's own included).
+    tag = cluster_tag()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "ASYNCRL_TEST_CLUSTER": tag}
     ray_bin = str(Path(sys.executable).parent / "ray")
-    port = 6391
-    # Ports of its own: the defaults of the node's agents are taken by the session's cluster.
+    # Ports of its own: the defaults are taken by the session's cluster or other tests' clusters.
+    dashboard = free_port()
     ports = [f"--{name}-port={free_port()}" for name in ("dashboard-agent-listen", "dashboard-agent-grpc",
                                                           "runtime-env-agent", "metrics-export")]
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                    "--dashboard-host=127.0.0.1", "--dashboard-port=8266", "--disable-usage-stats", *ports],
-                   check=True, capture_output=True, env=env, timeout=120)
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+                    "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                    "--disable-usage-stats", *ports], check=True, capture_output=True, env=env, timeout=120)
     first = tmp_path / "job_run"
     try:
-        cmd = [ray_bin, "job", "submit", "--address=http://127.0.0.1:8266", f"--working-dir={REPO}",
+        cmd = [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dashboard}", f"--working-dir={REPO}",
                "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
                sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
                "cluster.address=auto", f"run.output_dir={first}"]
