@@ -52,7 +52,8 @@ class AgentLoop:
     uses_tools: bool = False  # runs `tools` (the rollout worker checks the sandbox at start)
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
-                 interrupt: asyncio.Event | None = None, env: Any = None, tools: ToolsConfig | None = None):
+                 interrupt: asyncio.Event | None = None, env: Any = None, tools: ToolsConfig | None = None,
+                 chat_prompt: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -61,6 +62,9 @@ class AgentLoop:
         # The problem's environment, for loops that ask it for observations (multi-turn).
         self.env = env
         self.tools = tools or ToolsConfig()
+        # The prompt is a conversation rendered by the chat template (the problem has messages):
+        # loops that add environment messages render them with it.
+        self.chat_prompt = chat_prompt
 
     async def run(self, trajectory: Trajectory) -> LoopOutcome:
         """Start on a trajectory holding only the prompt."""

@@ -8,11 +8,19 @@ States (snapshot.state):
                  (`env(response, turns)`, see Agent.observe); None ends the episode;
               5) append the reply as environment tokens (loss mask 0) -> generating.
 A turn that hits the token budget ends the episode, truncated.
+
+When the prompt is a conversation (`chat_prompt`: the problem has messages), a turn ends at
+the chat template's end-of-turn and the environment's reply is a user message, appended as
+the tokens the template renders for it (agent_loops/chat.py); the model's tokens stay as
+sampled.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from agent_loops.base import AgentLoop, LoopOutcome
+from agent_loops.chat import chat_format
 from agent_loops.registry import register_agent_loop
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, TrajectoryStatus
 
@@ -21,6 +29,13 @@ from asyncrl.types import AgentLoopSnapshot, GenerationResult, TrajectoryStatus
 class MultiTurnLoop(AgentLoop):
     name = "multi_turn"
     states = ("generating", "observing")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.chat = chat_format(self.tokenizer) if self.chat_prompt else None
+        if self.chat is not None:
+            self.extra_stop = self.chat.end_of_turn.stop
+            self.extra_stop_token_ids = self.chat.end_of_turn.stop_token_ids
 
     def generated(self, snapshot: AgentLoopSnapshot, result: GenerationResult) -> LoopOutcome | None:
         snapshot.loop_state["turns"] = snapshot.loop_state.get("turns", 0) + 1
@@ -34,6 +49,11 @@ class MultiTurnLoop(AgentLoop):
         reply = self.env(response, snapshot.loop_state.get("turns", 0)) if self.env is not None else None  # 4)
         if reply is None:
             return self.finish(snapshot, TrajectoryStatus.OK, **snapshot.loop_state)
-        self.append_env(snapshot, reply)  # 5)
+        if self.chat is None:  # 5)
+            self.append_env(snapshot, reply)
+        else:
+            response = snapshot.trajectory.response_token_ids
+            tail = response[-len(self.chat.end_of_turn.closing):]
+            self.append_env_ids(snapshot, self.chat.append_ids([{"role": "user", "content": reply}], tail))
         snapshot.state = "generating"
         return None

@@ -24,7 +24,8 @@ import re
 
 from agent_loops.base import AgentLoop, LoopOutcome
 from agent_loops.registry import register_agent_loop
-from agent_loops.tools import call_tool
+from agent_loops.tools import TOOLS, run_tool, unknown_tool
+from agent_loops.tools.schemas import UNKNOWN_TOOL
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, TrajectoryStatus
 
 TOOL_CALL = re.compile(r"<tool:(\w+)>(.*?)</tool>", re.S)
@@ -53,9 +54,16 @@ class PartialToolLoop(AgentLoop):
             return self.finish(snapshot, TrajectoryStatus.TRUNCATED, stop_reason="max_tool_calls",
                                **snapshot.loop_state)
         name, argument = self.pending_call(snapshot)
-        output = await call_tool(name, argument, self.tools)  # 4)
+        if name in TOOLS:  # 4)
+            output, error = await run_tool(name, argument, self.tools)
+        else:
+            output, error = unknown_tool(name), UNKNOWN_TOOL
         self.append_env(snapshot, f"<result>{escape_markup(output)}</result>")
         snapshot.loop_state["tool_calls"] = calls_done + 1
+        if error:  # counted by reason, as the chat_tool loop counts them
+            errors = dict(snapshot.loop_state.get("tool_errors", {}))
+            errors[error] = errors.get(error, 0) + 1
+            snapshot.loop_state["tool_errors"] = errors
         snapshot.state = "generating"
         return None
 

@@ -137,7 +137,7 @@ class Driver:
         cfg = self.cfg
         t = cfg.trainer
         self._admit()
-        last_time, last_activity = time.monotonic(), self._engine_activity()
+        last_time, last_activity, last_rollout = time.monotonic(), self._engine_activity(), {}
         started = last_time
         for step in range(self.step + 1, t.total_steps + 1):
             if cfg.run.max_train_s and time.monotonic() - started >= cfg.run.max_train_s:
@@ -161,7 +161,7 @@ class Driver:
             if step % cfg.algorithm.sync_every_steps == 0:
                 metrics.update(self._sync())
             self._admit()
-            now, activity = time.monotonic(), self._engine_activity()
+            now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
             elapsed = now - last_time
             engine_s = elapsed * len(self.engines)
             metrics.update({
@@ -172,9 +172,9 @@ class Driver:
                 "util/engines": min(1.0, (activity.request_s - last_activity.request_s)
                                     / (engine_s * actors.engine_concurrency(cfg))),
                 "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
-                **self._rollout_metrics(), **ray.get(self.queue.stats.remote()).metrics(),
+                **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
             })
-            last_time, last_activity = now, activity
+            last_time, last_activity, last_rollout = now, activity, rollout
             self.train_s = time.monotonic() - started
             if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
                 metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
@@ -259,9 +259,13 @@ class Driver:
         keys = ("generated_tokens", "interruptions", "resumes", "trajectories_finished", "running_loops", "snapshots")
         out: dict[str, Any] = {f"rollout/{k}": sum(getattr(s, k) for s in stats) for k in keys}
         failures: collections.Counter[str] = collections.Counter()
+        tool_errors: collections.Counter[str] = collections.Counter()
         for s in stats:
             failures.update(s.failures)
+            tool_errors.update(s.tool_errors)
         out["rollout/failures"] = dict(failures)
+        out["rollout/tool_calls"] = sum(s.tool_calls for s in stats)
+        out.update({f"rollout/tool_errors/{reason}": n for reason, n in tool_errors.items()})
         return out
 
     def _evaluate(self, with_pass_k: bool) -> EvalResult:
@@ -378,6 +382,18 @@ class Driver:
         actors.remove_placement(self.placement)
         if self._started_ray:
             ray.shutdown()
+
+
+def tool_call_validity(rollout: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    """The share of the tool calls finished since `before` (both `_rollout_metrics`, whose tool
+    counts are totals) that had no error; nothing when no call finished."""
+    def errors(m: dict[str, Any]) -> int:
+        return sum(v for k, v in m.items() if k.startswith("rollout/tool_errors/"))
+
+    calls = rollout["rollout/tool_calls"] - before.get("rollout/tool_calls", 0)
+    if calls <= 0:
+        return {}
+    return {"rollout/tool_call_validity": 1 - (errors(rollout) - errors(before)) / calls}
 
 
 def _gauges(m: dict[str, Any]) -> dict[str, float]:

@@ -146,6 +146,8 @@ class WorkerStats:
     snapshots: int = 0
     failed_prompts: dict[str, Failure] = field(default_factory=dict)  # prompt id -> why it was rejected
     failures: dict[str, int] = field(default_factory=dict)  # Failure.code -> count (prompts and trajectories)
+    tool_calls: int = 0  # in finished trajectories (their info["tool_calls"])
+    tool_errors: dict[str, int] = field(default_factory=dict)  # reason -> calls (their info["tool_errors"])
     engine_outstanding: list[int] = field(default_factory=list)  # this worker's requests per engine
 
 

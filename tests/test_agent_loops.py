@@ -230,6 +230,20 @@ def test_partial_tool_interrupted_during_a_request_snapshots_before_calling(toke
     assert t.info == {"tool_calls": 1, "num_interruptions": 1} and len(engine.requests) == 1
 
 
+def test_partial_tool_counts_failed_calls_by_reason(tokenizer, monkeypatch):
+    async def broken(argument, sandbox):
+        raise ValueError("bug")
+
+    monkeypatch.setitem(TOOLS, "broken", broken)
+    script = [Reply("<tool:search>x</tool>"), Reply("<tool:broken>x</tool>"), Reply(CALL), Reply("Answer: 5")]
+    loop, _ = make("partial_tool", tokenizer, script, max_new_tokens=400, max_model_len=512)
+    t = run(loop, tokenizer).trajectory
+    assert t.status is TrajectoryStatus.OK
+    assert t.info == {"tool_calls": 3, "tool_errors": {"unknown_tool": 1, "tool_exception": 1}, "num_interruptions": 0}
+    text = tokenizer.decode(t.response_token_ids)
+    assert "<result>error: unknown tool 'search'" in text and "failed: ValueError: bug</result>" in text
+
+
 def test_partial_tool_stops_at_the_tool_call_limit(tokenizer):
     loop, engine = make("partial_tool", tokenizer, [Reply(CALL), Reply(CALL)], max_new_tokens=100,
                         tools=ToolsConfig(max_calls=1))

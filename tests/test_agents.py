@@ -111,6 +111,29 @@ def test_dataset_agent_reads_local_files_and_counts_bad_rows(multi_cfg, tmp_path
         assert agent.reward(p, f"{p.answer}\nmore") == 1.0 and agent.reward(p, "-1") == 0.0
 
 
+def test_dataset_problems_become_conversations_offering_tools(multi_cfg, tmp_path):
+    from agent_loops.tools.schemas import tool_schemas
+
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    rows[0]["messages"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 0?"}]
+    file = tmp_path / "rows.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = {"source": "file", "path": str(file), "heldout_size": 2, "prompt_template": "Q: {question}\nA: "}
+    plain = build_agent(AgentConfig(env_id="e", type="dataset", params=params), multi_cfg)
+    for p in plain.problems("train") + plain.problems("heldout"):  # a conversation only where the row has one
+        assert (p.messages, p.tools) == ((rows[0]["messages"], []) if p.question == "What is 0 + 1?" else ([], []))
+    chat = build_agent(AgentConfig(env_id="e", type="dataset", params={**params, "system_prompt": "Use tools.",
+                                                                       "tools": ["calculator"]}), multi_cfg)
+    by_question = {p.question: p for p in chat.problems("train") + chat.problems("heldout")}
+    own = by_question.pop("What is 0 + 1?")
+    assert own.messages == rows[0]["messages"] and own.tools == tool_schemas(["calculator"])  # the row's own
+    for p in by_question.values():
+        assert p.messages == [{"role": "system", "content": "Use tools."}, {"role": "user", "content": p.prompt}]
+        assert p.tools == tool_schemas(["calculator"])
+    with pytest.raises(ValueError, match=r"env 'e': unknown tool\(s\) \['search'\]; registered: calculator, python"):
+        build_agent(AgentConfig(env_id="e", type="dataset", params={**params, "tools": ["search"]}), multi_cfg)
+
+
 def test_reward_only_agent_gives_problems_reward_and_observations(multi_cfg):
     agent = build_agent(multi_cfg.agents[2], multi_cfg)
     p = agent.problems("train")[0]

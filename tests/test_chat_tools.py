@@ -12,6 +12,7 @@ from agent_loops import get_agent_loop
 from agent_loops.chat import ChatFormat, ChatTemplateError, chat_format, load_named_template, named_templates
 from agent_loops.tool_parsers import TOOL_PARSERS, ToolCall, parse_hermes, parse_simple
 from agent_loops.tools import TOOLS
+from agent_loops.tools import schemas as schemas_module
 from agent_loops.tools.schemas import TOOL_SPECS, run_calls, tool_schemas
 from asyncrl.config import schema
 from asyncrl.config.schema import ToolsConfig
@@ -316,3 +317,75 @@ def test_the_config_names_a_shipped_chat_template_and_a_known_parser(base_model)
         load_config(["model.chat_template=nope"])
     with pytest.raises(ConfigError, match="tools.parser"):
         load_config(["tools.parser=xml"])
+
+
+# -- tools of your own ------------------------------------------------------------------------
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup", "description": "The value stored under a key.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}, "times": {"type": "integer"}},
+                   "required": ["key"], "additionalProperties": False}}}
+
+
+@pytest.fixture
+def registry():
+    """register_tool's registries, restored after the test."""
+    saved = dict(TOOLS), dict(TOOL_SPECS)
+    yield schemas_module
+    for live, before in zip((TOOLS, TOOL_SPECS), saved):
+        live.clear()
+        live.update(before)
+
+
+def test_a_registered_tool_gets_its_arguments_checked_and_as_keywords(registry):
+    def lookup(key, times=1):
+        if key == "boom":
+            raise KeyError(key)
+        return {"a": "alpha"}.get(key, "?") * times
+
+    registry.register_tool(LOOKUP, lookup)
+    assert registry.tool_schemas(["lookup"]) == [LOOKUP]
+    calls = [ToolCall("lookup", {"key": "a", "times": 2}), ToolCall("lookup", {"times": 2}),
+             ToolCall("lookup", {"key": "boom"}), ToolCall("lookup", '{"key": "a"}'), ToolCall("lookup", "a")]
+    results = asyncio.run(registry.run_calls(calls, ToolsConfig()))
+    assert [r.output for r in results[:1]] + [r.output for r in results[3:4]] == ["alphaalpha", "alpha"]
+    assert [r.error for r in results] == ["", "invalid_arguments", "tool_exception", "", "invalid_arguments"]
+    assert "'key' is a required property" in results[1].output and "KeyError" in results[2].output
+
+
+async def _async_lookup(key):
+    return key.upper()
+
+
+def test_an_async_tool_is_awaited_and_bad_registrations_are_refused(registry):
+    registry.register_tool(LOOKUP, _async_lookup)
+    assert asyncio.run(registry.run_calls([ToolCall("lookup", {"key": "b"})], ToolsConfig()))[0].output == "B"
+    bad = [({"type": "function", "function": {"name": "calculator"}}, "'calculator' is a built-in tool"),
+           ({"function": {"name": "x"}}, "a tool schema is"),
+           ({"type": "function", "function": {"name": "not a name"}}, "a tool schema is"),
+           ({"type": "function", "function": {"name": "x", "parameters": {"type": "array"}}}, "of type object"),
+           ({"type": "function", "function": {"name": "x", "parameters": {"type": "object", "required": 3}}},
+            "not a valid JSON Schema")]
+    for tool, message in bad:
+        with pytest.raises(ValueError, match=message):
+            registry.register_tool(tool, _async_lookup)
+    with pytest.raises(ValueError, match="is not callable"):
+        registry.register_tool(LOOKUP, "lookup")
+
+
+# -- multi_turn on a conversation ---------------------------------------------------------------
+
+def test_multi_turn_on_a_conversation_adds_the_environments_reply_as_a_user_message(tokenizer, chat):
+    replies = iter(["Wrong. Try again.", None])
+    engine = ScriptedInference([Reply("4" + END), Reply("5" + END)], tokenizer)
+    loop = get_agent_loop("multi_turn")(engine, tokenizer, SamplingSpec(max_new_tokens=200), 2048,
+                                        env=lambda response, turn: next(replies), chat_prompt=True)
+    t = asyncio.run(loop.run(start(chat))).trajectory
+    first, second = engine.requests
+    assert first.sampling.stop_token_ids == list(chat.end_of_turn.stop_token_ids)
+    generated = ids(tokenizer, "4" + END)
+    added = chat.append_ids([{"role": "user", "content": "Wrong. Try again."}], generated)
+    assert tokenizer.decode(added) == "\n<|im_start|>user\nWrong. Try again.<|im_end|>\n<|im_start|>assistant\n"
+    assert second.prompt_token_ids == first.prompt_token_ids + generated + added
+    assert t.status is TrajectoryStatus.OK and t.info == {"turns": 2, "num_interruptions": 0}
+    assert t.loss_mask == [1] * len(generated) + [0] * len(added) + [1] * len(ids(tokenizer, "5" + END))

@@ -81,11 +81,26 @@ def test_requests_without_the_right_token_are_refused(server):
 
 def test_authorized_requests_list_envs_and_problems_without_answers(server):
     envs = httpx.get(server + "/envs/", headers=AUTH).json()["envs"]
-    assert [e["env_id"] for e in envs] == ["word_problems", "retry"]
+    assert [e["env_id"] for e in envs] == ["word_problems", "retry", "word_problems_chat"]
     assert envs[1]["agent_loop"] == "multi_turn"
     problems = httpx.post(server + "/problems/", json={"env_id": "word_problems", "split": "heldout"},
                           headers=AUTH).json()["problems"]
-    assert len(problems) == 200 and set(problems[0]) == {"prompt_id", "prompt"}
+    assert len(problems) == 200 and set(problems[0]) == {"prompt_id", "prompt", "messages", "tools"}
+    assert problems[0]["messages"] == problems[0]["tools"] == []  # a plain prompt
+
+
+def test_a_remote_agent_gets_a_problems_messages_and_tools(server, monkeypatch):
+    from agent_loops.tools.schemas import tool_schemas
+    from asyncrl.agents.remote import RemoteAgent, RemoteParams
+    from asyncrl.config.schema import AgentConfig, Config
+
+    monkeypatch.setenv("ASYNCRL_ENV_TOKEN", TOKEN)
+    remote = RemoteAgent(AgentConfig(env_id="chat", type="remote"),
+                         RemoteParams(url=server, remote_env_id="word_problems_chat"), Config())
+    problem = remote.problems("heldout")[0]
+    assert problem.messages == [{"role": "system", "content": "Use the calculator when it helps."},
+                                {"role": "user", "content": problem.prompt}]
+    assert problem.tools == tool_schemas(["calculator"])
 
 
 def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
@@ -110,7 +125,8 @@ def test_malformed_oversized_and_unknown_requests_get_a_clear_4xx(server):
     # an agent (or a module) that is not configured on the server cannot be reached by naming it
     r = httpx.post(server + "/rollouts/", json={"env_id": "os.system", "inference": INFERENCE}, headers=AUTH)
     assert r.status_code == 404
-    assert r.json()["detail"] == "unknown env_id 'os.system'; this server hosts: word_problems, retry"
+    assert r.json()["detail"] == ("unknown env_id 'os.system'; this server hosts: word_problems, retry, "
+                                 "word_problems_chat")
     r = httpx.post(server + "/rollouts/", json={"env_id": "retry", "problem_ids": ["retry/train/999999"],
                                                 "inference": INFERENCE}, headers=AUTH)
     assert r.status_code == 404 and "no train problem 'retry/train/999999'" in r.json()["detail"]

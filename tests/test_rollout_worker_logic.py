@@ -18,6 +18,7 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import agent_params, build_agents
 from asyncrl.agents.remote import RemoteAgent
 from asyncrl.config.schema import AgentConfig
+from asyncrl.driver import tool_call_validity
 from asyncrl.messages import Failure, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
 from asyncrl.rollout.worker import RolloutWorker
@@ -292,3 +293,32 @@ def test_a_worker_whose_loops_run_tools_fails_at_start_on_a_host_that_cannot_san
     make_worker(cfg)  # no loop of this run calls tools
     with pytest.raises(SandboxUnavailable, match="needs bubblewrap"):
         make_worker(tool_cfg)
+
+
+def test_tool_calls_and_their_errors_are_counted_by_reason(cfg, problems):
+    tool_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent_loop="partial_tool",
+                                                                    max_new_tokens=200))
+    agents = build_agents(tool_cfg)
+
+    async def go():
+        worker, holder = make_worker(tool_cfg, agents=agents)
+
+        def reply(request):  # a call to a tool that does not exist, then an answer
+            answered = "<result>" in worker.tokenizer.decode(request.prompt_token_ids)
+            return Reply("Answer: 1" if answered else "<tool:search>1</tool>")
+
+        holder.engine = ScriptedInference(reply, worker.tokenizer)
+        await worker.submit(problems[:2], n=2)
+        await worker.drain()
+        return worker.get_stats()
+
+    stats = asyncio.run(go())
+    assert stats.trajectories_finished == 4 and stats.tool_calls == 4 and stats.tool_errors == {"unknown_tool": 4}
+
+
+def test_the_share_of_valid_tool_calls_is_that_of_the_calls_finished_in_the_step():
+    before = {"rollout/tool_calls": 6, "rollout/tool_errors/unknown_tool": 2}
+    now = {"rollout/tool_calls": 10, "rollout/tool_errors/unknown_tool": 3, "rollout/tool_errors/timeout": 1}
+    assert tool_call_validity(now, before) == {"rollout/tool_call_validity": 1 - 2 / 4}
+    assert tool_call_validity(now, {}) == {"rollout/tool_call_validity": 1 - 4 / 10}  # the first step
+    assert tool_call_validity(before, before) == {}  # no call finished: no share

@@ -162,6 +162,12 @@ MALFORMED = [
      "line 6", "field 'answer' must be a string or a number, not an array"),
     ("rows.json", "[\n" + "\n".join(json.dumps(r) for r in GOOD) + "\n]\n", "line 3", "expected ',' or ']'"),
     ("rows.json", "[" + ",".join(json.dumps(r) for r in GOOD) + "] trailing", "line 1", "text after the closing"),
+    ("rows.jsonl", GOOD_LINES + '{"question": "q?", "answer": "1", "messages": "hi"}\n', "line 5",
+     "field 'messages' must be a non-empty array of messages, not a string"),
+    ("rows.jsonl", GOOD_LINES + '{"question": "q?", "answer": "1", "messages": [{"role": "root", "content": "x"}]}\n',
+     "line 5", "messages[0] must be an object with a role of system, user, assistant, tool"),
+    ("rows.jsonl", GOOD_LINES + '{"question": "q?", "answer": "1", "messages": [{"role": "user", "content": 7}]}\n',
+     "line 5", "messages[0].content must be a string"),
 ]
 
 

@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, GetPydanticSchema
 
+from agent_loops.chat import load_named_template, prompt_token_ids
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Failure
@@ -141,6 +142,21 @@ class EvaluationRequest:
 # -- results ----------------------------------------------------------------------------
 
 @dataclass
+class ProblemInfo:
+    """What a client may see of a problem (never its answer): its prompt text, or the
+    conversation and the tools' schemas it offers (rendered by the model's chat template)."""
+
+    prompt_id: str
+    prompt: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, problem: Problem) -> ProblemInfo:
+        return cls(problem.prompt_id, problem.prompt, problem.messages, problem.tools)
+
+
+@dataclass
 class ProblemResult:
     """One evaluated problem: the greedy sample's reward and every sampled reward."""
 
@@ -193,8 +209,6 @@ def load_tokenizer(path: str, chat_template: str = "") -> Any:
     """One tokenizer per path (and chat template) and process, shared by every agent (and the
     rollout worker); `chat_template` names a shipped template that replaces the tokenizer's own."""
     from transformers import AutoTokenizer
-
-    from agent_loops.chat import load_named_template
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if chat_template:
@@ -259,7 +273,8 @@ class Agent(ABC):
 
         loop_cls = get_agent_loop(problem.agent_loop or self.agent_loop)
         return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
-                        env=functools.partial(self.observe, problem), tools=self.cfg.tools)
+                        env=functools.partial(self.observe, problem), tools=self.cfg.tools,
+                        chat_prompt=bool(problem.messages))
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward from its decoded response; a reward function that raises or
@@ -283,7 +298,7 @@ class Agent(ABC):
                       group_id: str = "") -> Trajectory:
         """Run the problem's loop to the end (never interrupted) and score it. A loop that raises
         gives a failed trajectory."""
-        ids = self.tokenizer.encode(problem.prompt)
+        ids = prompt_token_ids(problem, self.tokenizer)  # a conversation through the chat template
         start = Trajectory(problem.prompt_id, group_id or problem.prompt_id, ids, env_id=self.env_id)
         done = await run_sample(self, problem, inference, sampling or self.sampling(), start)
         if done.trajectory is None:

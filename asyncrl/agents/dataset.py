@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent_loops.tools.schemas import tool_schemas
 from asyncrl.agents.api import Agent
 from asyncrl.config.schema import AgentConfig, Config, DataConfig
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
@@ -48,7 +49,11 @@ class DatasetAgent(Agent):
 
     def __init__(self, spec: AgentConfig, params: DatasetParams, cfg: Config):
         super().__init__(spec, params, cfg)
-        self.hooks: RecipeHooks = load_recipe_hooks(params.module or cfg.recipe.module)
+        self.hooks: RecipeHooks = load_recipe_hooks(params.module or cfg.recipe.module)  # may register tools
+        try:
+            self.tool_schemas = tool_schemas(params.tools) if params.tools else []
+        except KeyError as e:
+            raise ValueError(f"env {self.env_id!r}: {e.args[0]}") from None
         self.skipped_rows = 0
 
     def reward(self, problem: Problem, response: str) -> float:
@@ -62,7 +67,18 @@ class DatasetAgent(Agent):
         splits = {"train": source.train, "heldout": source.heldout}
         for problem in splits["train"] + splits["heldout"]:  # ids unique across envs
             problem.prompt_id, problem.env_id = f"{self.env_id}/{problem.prompt_id}", self.env_id
+            self._as_chat(problem)
         return splits
+
+    def _as_chat(self, problem: Problem, messages: list[dict[str, Any]] | None = None) -> Problem:
+        """With a system prompt, tools or a row's own messages, the problem is a conversation."""
+        if messages:
+            problem.messages = messages
+        elif self.params.system_prompt or self.tool_schemas:
+            system = [{"role": "system", "content": self.params.system_prompt}] if self.params.system_prompt else []
+            problem.messages = [*system, {"role": "user", "content": problem.prompt}]
+        problem.tools = list(self.tool_schemas) if problem.messages else []
+        return problem
 
     def _file_splits(self) -> dict[str, list[Problem]]:
         p = self.params
@@ -82,9 +98,10 @@ class DatasetAgent(Agent):
 
     def _problem(self, split: str, index: int, row: tuple[str, str, dict[str, Any]]) -> Problem:
         question, answer, entry = row
-        return Problem(prompt_id=f"{self.env_id}/{split}/{index}", task="", question=question,
-                       prompt=self.params.prompt_template.format(question=question), answer=answer,
-                       entry=entry, agent_loop=str(entry.get("agent_loop") or ""), env_id=self.env_id)
+        problem = Problem(prompt_id=f"{self.env_id}/{split}/{index}", task="", question=question,
+                          prompt=self.params.prompt_template.format(question=question), answer=answer,
+                          entry=entry, agent_loop=str(entry.get("agent_loop") or ""), env_id=self.env_id)
+        return self._as_chat(problem, entry.get("messages"))
 
     def _read(self, path: str) -> list[tuple[str, str, dict[str, Any]]]:
         """(question, reference answer, row) for every usable row of a local file."""
@@ -99,6 +116,7 @@ class DatasetAgent(Agent):
                 if usable is None:
                     skipped += 1
                 else:
+                    _check_messages(row.get("messages"), where)
                     rows.append((*usable, dict(row)))
         except MalformedRow as e:
             raise ValueError(f"env {self.env_id!r}: {path}, {e.where}: {e}") from None
@@ -146,6 +164,22 @@ def _usable(row: Any, where: str, question_field: str, answer_field: str,
     if question is None or not question.strip() or answer is None or not str(answer).strip():
         return None
     return question, str(answer).strip()
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    """A row's `messages`, when it has them: OpenAI chat messages, each a role and text content."""
+    if messages is None:
+        return
+    if not isinstance(messages, list) or not messages:
+        raise MalformedRow(where, f"field 'messages' must be a non-empty array of messages, not {_json_type(messages)}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise MalformedRow(where, f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str) and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise MalformedRow(where, f"messages[{i}].content must be a string")
 
 
 def _json_type(value: Any) -> str:

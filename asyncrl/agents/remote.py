@@ -27,6 +27,7 @@ from asyncrl.agents.api import (
     EvaluationRequest,
     EvaluationResponse,
     GroupedRolloutRequest,
+    ProblemInfo,
     ProblemsRequest,
     Split,
 )
@@ -98,9 +99,14 @@ class RemoteAgent(Agent):
 
     def _fetch(self, split: Split) -> list[Problem]:
         rows = self._post_sync("/problems/", ProblemsRequest(self.remote_env_id, split))["problems"]
+        try:
+            infos = [ProblemInfo(**r) for r in rows]
+        except TypeError as e:
+            raise RemoteError(f"env {self.env_id!r}: {self.params.url}/problems/ answered an unexpected problem: "
+                              f"{e}") from None
         # Ids are the server's, prefixed with this env id so that they stay unique in the run.
-        return [Problem(prompt_id=f"{self.env_id}:{r['prompt_id']}", task="", question=r["prompt"],
-                        prompt=r["prompt"], answer="", env_id=self.env_id) for r in rows]
+        return [Problem(prompt_id=f"{self.env_id}:{p.prompt_id}", task="", question=p.prompt, prompt=p.prompt,
+                        answer="", env_id=self.env_id, messages=p.messages, tools=p.tools) for p in infos]
 
     def reward(self, problem: Problem, response: str) -> float:
         raise RemoteError(f"env {self.env_id!r} is remote: its server scores its rollouts")

@@ -56,7 +56,7 @@ import logging
 import re
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -68,6 +68,7 @@ from asyncrl.agents.api import (
     Agent,
     EvaluationRequest,
     GroupedRolloutRequest,
+    ProblemInfo,
     ProblemsRequest,
     RolloutRequest,
 )
@@ -386,8 +387,7 @@ def create_app(agents: WeightedMultiTask, token: str, limits: ServerLimits | Non
 
     @app.post("/problems/")
     async def list_problems(body: ProblemsRequest) -> dict[str, Any]:
-        return {"problems": [{"prompt_id": p.prompt_id, "prompt": p.prompt}
-                             for p in agent(body.env_id).problems(body.split)]}
+        return {"problems": [asdict(ProblemInfo.of(p)) for p in agent(body.env_id).problems(body.split)]}
 
     @app.post("/rollouts/")
     async def rollouts(body: RolloutRequest) -> Response:

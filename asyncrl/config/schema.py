@@ -92,6 +92,12 @@ class DataConfig:
     # `{question}` is replaced by the task's question text; reasoning-gym tasks may also use
     # fields of their metadata (chain_sum: `{expression}`).
     prompt_template: str = "{question}"
+    # Chat: with a system prompt or tools, each problem is a conversation (the system prompt,
+    # then the formatted prompt as the user's message) rendered with the model's chat template
+    # (model.chat_template), offering `tools` (names of registered tools, agent_loops/tools).
+    # A file row with a `messages` field (OpenAI chat messages) is that conversation instead.
+    system_prompt: str = ""
+    tools: list[str] = field(default_factory=list)
 
 
 @dataclass

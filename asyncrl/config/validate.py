@@ -347,6 +347,8 @@ def _check_data(key: str, d: Any, problems: list[str]) -> None:
         at_least(f"{key}.train_size", d.train_size, 1)
         at_least(f"{key}.heldout_size", d.heldout_size, 1)
     _check_prompt_template(f"{key}.prompt_template", d.prompt_template, d.source, need)
+    for i, name in enumerate(d.tools):  # registered by name when the recipe's module is imported
+        need(name.isidentifier(), f"{key}.tools[{i}]", name, "must be a tool's name (an identifier)")
 
 
 def _check_prompt_template(key: str, template: str, source: str, need: Any) -> None:

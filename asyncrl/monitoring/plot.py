@@ -1,8 +1,10 @@
 """`asyncrl plot RUN_DIR`: PNG curves of a run from its metrics.jsonl.
 
-Writes RUN_DIR/plots.png with four panels: reward and held-out accuracy, throughput,
+Writes RUN_DIR/plots.png with a panel each for reward and held-out accuracy, throughput,
 staleness, the trainer's and engines' idle ratios and the engines' utilization (mean
-requests running over their concurrency: it sees an engine that serves one straggler).
+requests running over their concurrency: it sees an engine that serves one straggler),
+and, in runs whose loops call tools, the share of tool calls without an error and the
+errors by reason.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ PANELS = (
     ("staleness (versions)", (("train/staleness_mean", "mean"), ("train/staleness_max", "max"))),
     ("idle and utilization", (("idle/trainer", "trainer idle"), ("idle/engines", "engines idle"),
                               ("util/engines", "engine utilization"))),
+    ("tool calls", (("rollout/tool_call_validity", "calls without error (share)"),)),
+    ("tool errors so far, by reason", (("rollout/tool_errors/", ""),)),  # a prefix: one line per key
 )
 
 
@@ -30,9 +34,9 @@ def plot_run(run_dir: str | Path) -> Path:
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for ax, (title, series) in zip(axes.flat, PANELS):
-        for key, label in series:
+        for key, label in _expand(series, records):
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
                 xs, ys = zip(*points)
@@ -47,6 +51,17 @@ def plot_run(run_dir: str | Path) -> Path:
     out = run_dir / "plots.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def _expand(series: tuple[tuple[str, str], ...], records: list[dict]) -> list[tuple[str, str]]:
+    """A key ending in "/" stands for every key of the run that starts with it, labelled by the rest."""
+    out = []
+    for key, label in series:
+        if key.endswith("/"):
+            out += [(k, k[len(key):]) for k in sorted({k for r in records for k in r if k.startswith(key)})]
+        else:
+            out.append((key, label))
     return out
 
 

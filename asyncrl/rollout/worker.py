@@ -168,6 +168,7 @@ class RolloutWorker:
     def get_stats(self) -> WorkerStats:
         return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
                        failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
+                       tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [])
 
     def _count(self, failure: Failure) -> None:
@@ -241,6 +242,9 @@ class RolloutWorker:
     async def _finish(self, group: _PendingGroup, index: int, traj: Trajectory) -> None:
         self.stats.trajectories_finished += 1
         self.stats.generated_tokens += sum(traj.loss_mask)
+        self.stats.tool_calls += traj.info.get("tool_calls", 0)
+        for reason, calls in traj.info.get("tool_errors", {}).items():
+            self.stats.tool_errors[reason] = self.stats.tool_errors.get(reason, 0) + calls
         group.trajectories[index] = traj
         if not group.complete():
             return
