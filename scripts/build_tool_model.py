@@ -1,7 +1,7 @@
 """Build recipes/arith_tool/base_model: the arith base model taught the calculator call
 format on `--tool-fraction` of its demonstrations (see recipes/arith_tool/tool_sft.py).
 
-    .venv/bin/python scripts/build_tool_model.py                 # ~3 min on 2 cores
+    .venv/bin/python scripts/build_tool_model.py                 # ~12 min on 2 cores
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ OUT = Path(__file__).resolve().parents[1] / "recipes" / "arith_tool" / "base_mod
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(OUT))
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tool-fraction", type=float, default=0.5)
     args = parser.parse_args()

@@ -44,7 +44,10 @@ def test_gpu_recipes_resolve_and_validate_given_their_data_file(recipe, tmp_path
     cfg = load_config([f"recipe={recipe}", f"data.path={data}"])
     assert cfg.cluster.device == "cuda" and cfg.engine.dtype == "bfloat16" and cfg.model.path.startswith("Qwen/")
     assert cfg.data.answer_regex == "####\\s*(.+)$" and "{question}" in cfg.data.prompt_template
-    assert cfg.rollout.agent_loop == ("partial_tool" if recipe == "retool_qwen" else "partial_single_turn")
+    assert cfg.rollout.agent_loop == ("chat_tool" if recipe == "retool_qwen" else "partial_single_turn")
+    # conversations through the model's own template; the Hermes parser for Qwen's calls
+    assert cfg.data.system_prompt and cfg.model.chat_template == "" and cfg.tools.parser == "hermes"
+    assert cfg.data.tools == (["python"] if recipe == "retool_qwen" else [])
 
 
 def test_gsm8k_answer_extraction():
@@ -203,11 +206,15 @@ def test_cli_help_lists_the_config_groups(tmp_path):
     assert "train" in top.stdout and "eval" in top.stdout
 
 
-def test_arith_tool_recipe_extends_arith_with_the_tool_loop(base_model):
+def test_arith_tool_recipe_is_arith_as_a_chat_with_the_calculator(base_model):
+    from dataclasses import replace
+
     from recipes.arith_tool import extract_answer
 
     arith, tool = load_config(["recipe=arith"]), load_config(["recipe=arith_tool"])
-    assert tool.rollout.agent_loop == "partial_tool" and tool.recipe.module == "recipes.arith_tool"
-    assert tool.data == arith.data and tool.model.path.endswith("recipes/arith_tool/base_model")
+    assert tool.rollout.agent_loop == "chat_tool" and tool.tools.parser == "hermes"
+    assert tool.recipe.module == "recipes.arith_tool" and tool.model.path.endswith("recipes/arith_tool/base_model")
+    assert tool.data == replace(arith.data, tools=["calculator"])  # the same problems, offering the calculator
+    assert extract_answer('<tool_call>\n{"name": "calculator"}\n</tool_call>...Answer: 7') == "7"
     assert extract_answer("<tool:calculator>3 + 4</tool><result>7</result>Answer: 7") == "7"
     assert extract_answer("Answer: -12") == "-12"

