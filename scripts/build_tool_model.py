@@ -21,12 +21,15 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tool-fraction", type=float, default=0.5)
+    parser.add_argument("--tool-fraction", type=float, default=0.5, help="of the markup demonstrations")
+    parser.add_argument("--chat-tool-fraction", type=float, default=0.4, help="of the chat demonstrations")
     args = parser.parse_args()
     t0 = time.time()
-    out = build_tool_model(Path(args.out), steps=args.steps, seed=args.seed, tool_fraction=args.tool_fraction)
+    out = build_tool_model(Path(args.out), steps=args.steps, seed=args.seed, tool_fraction=args.tool_fraction,
+                           chat_tool_fraction=args.chat_tool_fraction)
     info = {"from": "recipes/arith/base_model", "steps": args.steps, "seed": args.seed,
-            "tool_fraction": args.tool_fraction, "build_seconds": round(time.time() - t0, 1)}
+            "tool_fraction": args.tool_fraction, "chat_tool_fraction": args.chat_tool_fraction,
+            "build_seconds": round(time.time() - t0, 1)}
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"saved {out} in {info['build_seconds']}s; evaluate it with: asyncrl eval recipe=arith_tool")
 

