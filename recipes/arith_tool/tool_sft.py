@@ -11,9 +11,9 @@ Markup, with the tool:
     3 + 4 - 2 =\\n<tool:calculator>3 + 4 - 2</tool><result>5</result>Answer: 5<eos>
 Without the tool, the answer alone. Half the demonstrations are chat; `tool_fraction` of the
 markup ones and `chat_tool_fraction` of the chat ones call the tool (chosen so that greedy
-decoding mostly answers directly: RL then has to find that calling pays); the tool's turn is rendered with the same code that renders it in
-rollouts (agent_loops/chat.py), so training and rollouts see the same tokens. Deterministic
-from its seed.
+decoding answers directly: RL then has to find that calling pays). The tool's turn is
+rendered with the same code that renders it in rollouts (agent_loops/chat.py), so training
+and rollouts see the same tokens. Deterministic from its seed.
 """
 
 from __future__ import annotations
