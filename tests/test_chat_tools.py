@@ -1,6 +1,6 @@
 """Chat templates, tool-call parsers, schema'd tools and the chat_tool loop, without an engine:
-the tiny tool model's tokenizer with the shipped chatml template, its role markers added as
-special tokens (as a chat model's tokenizer has them), and a scripted engine."""
+the tiny tool model's tokenizer (its role markers are special tokens, as in a chat model's
+tokenizer) with the shipped chatml template instead of its own, and a scripted engine."""
 
 import asyncio
 import json
@@ -22,6 +22,7 @@ from tests.conftest import REPO
 from tests.scripted_inference import Reply, ScriptedInference
 
 TOOL_MODEL = REPO / "recipes" / "arith_tool" / "base_model"
+PLAIN_MODEL = REPO / "recipes" / "arith" / "base_model"  # the same bytes, no chat template, no role markers
 MESSAGES = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]
 END = "<|im_end|>"
 
@@ -29,7 +30,7 @@ END = "<|im_end|>"
 @pytest.fixture(scope="module")
 def tokenizer():
     tok = AutoTokenizer.from_pretrained(TOOL_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", END]})
+    assert tok.convert_tokens_to_ids(["<|im_start|>", END]) == [257, 258]  # special, one id each
     tok.chat_template = load_named_template("chatml")
     return tok
 
@@ -69,7 +70,7 @@ def test_the_end_of_turn_is_the_templates(tokenizer, chat):
     (end_id,) = ids(tokenizer, END)
     assert chat.end_of_turn.stop_token_ids == (end_id,) and chat.end_of_turn.stop == ()
     assert list(chat.end_of_turn.closing) == ids(tokenizer, END + "\n")
-    plain = AutoTokenizer.from_pretrained(TOOL_MODEL)  # markers are text: stop at the text
+    plain = AutoTokenizer.from_pretrained(PLAIN_MODEL)  # markers are text: stop at the text
     assert ChatFormat(plain, load_named_template("chatml"), "chatml").end_of_turn.stop == (END,)
 
 
@@ -89,7 +90,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused(tokenizer):
     counting = "{{ messages | length }} messages\n" + load_named_template("chatml")
     with pytest.raises(ChatTemplateError, match="chat template counting is not prefix-stable"):
         ChatFormat(tokenizer, counting, "counting")
-    no_template = AutoTokenizer.from_pretrained(TOOL_MODEL)
+    no_template = AutoTokenizer.from_pretrained(PLAIN_MODEL)
     with pytest.raises(ChatTemplateError, match="has no chat template: set model.chat_template to one of: chatml"):
         chat_format(no_template)
 

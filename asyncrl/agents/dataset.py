@@ -173,8 +173,10 @@ def _check_messages(messages: Any, where: str) -> None:
     """A row's `messages`, when it has them: OpenAI chat messages, each a role and text content."""
     if messages is None:
         return
-    if not isinstance(messages, list) or not messages:
-        raise MalformedRow(where, f"field 'messages' must be a non-empty array of messages, not {_json_type(messages)}")
+    if not isinstance(messages, list):
+        raise MalformedRow(where, f"field 'messages' must be an array of messages, not {_json_type(messages)}")
+    if not messages:
+        raise MalformedRow(where, "field 'messages' is empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise MalformedRow(where, f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
