@@ -31,3 +31,21 @@ def test_hand_computed_values():
 def test_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+def test_the_plot_draws_tool_panels_for_runs_that_call_tools(tmp_path):
+    import json
+
+    from asyncrl.monitoring.plot import _expand, plot_run
+
+    tool_run = [{"step": 1, "batch/reward_mean": 0.5, "rollout/tool_call_validity": 0.9,
+                 "rollout/tool_errors/invalid_json": 2, "rollout/tool_errors/timeout": 1}]
+    series = (("rollout/tool_errors/", ""), ("batch/reward_mean", "train reward"))
+    assert _expand(series, tool_run) == [("rollout/tool_errors/invalid_json", "invalid_json"),
+                                         ("rollout/tool_errors/timeout", "timeout"),
+                                         ("batch/reward_mean", "train reward")]
+    assert _expand(series, [{"step": 1}]) == [("batch/reward_mean", "train reward")]
+    for name, records in (("tools", tool_run), ("plain", [{"step": 1, "batch/reward_mean": 0.5}])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        assert plot_run(tmp_path / name).stat().st_size > 10_000

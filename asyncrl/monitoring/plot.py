@@ -4,7 +4,7 @@ Writes RUN_DIR/plots.png with a panel each for reward and held-out accuracy, thr
 staleness, the trainer's and engines' idle ratios and the engines' utilization (mean
 requests running over their concurrency: it sees an engine that serves one straggler),
 and, in runs whose loops call tools, the share of tool calls without an error and the
-errors by reason.
+errors by reason (a panel with nothing to draw is left out).
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ def plot_run(run_dir: str | Path) -> Path:
             if points:
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, label=label)
+        if not ax.lines:  # e.g. the tool panels of a run whose loops call no tools
+            ax.remove()
+            continue
         ax.set_title(title)
         ax.set_xlabel("train step")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
+        ax.legend()
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = run_dir / "plots.png"
