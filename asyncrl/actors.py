@@ -113,29 +113,35 @@ def remove_placement(placement: Placement) -> None:
         remove_placement_group(placement.group)
 
 
-def _slot(slots: list[Options] | None, i: int) -> Options:
+def slot(slots: list[Options] | None, i: int) -> Options:
     return slots[i] if slots else {}
 
 
 # -- engines --------------------------------------------------------------------------
 
-def engine_options(cfg: Config, engine_id: int) -> Options:
+def _name(role: str, index: int, restart: int) -> str:
+    """The dashboard name: a replacement (restart n) carries `.rN` (the dead actor's name may not be free yet)."""
+    return f"{role}-{index}" + (f".r{restart}" if restart else "")
+
+
+def engine_options(cfg: Config, engine_id: int, restart: int = 0) -> Options:
     """Named for the dashboard, sized by config, many concurrent calls (generate is async)."""
-    return {"name": f"engine-{engine_id}", "num_cpus": cfg.engine.num_cpus_per_engine, "max_concurrency": 10_000}
+    return {"name": _name("engine", engine_id, restart), "num_cpus": cfg.engine.num_cpus_per_engine,
+            "max_concurrency": 10_000}
 
 
 def create_engines(cfg: Config, slots: list[Options] | None = None, stream: bool | None = None,
                    engine_class: type = EngineActor) -> list:
     """`engine.num_engines` EngineActors, not started yet (`start_engines`). `stream`: whether
     they stream per-token outputs (default: as `algorithm.pause_mode` needs)."""
-    return [create_engine(cfg, i, _slot(slots, i), stream, engine_class) for i in range(cfg.engine.num_engines)]
+    return [create_engine(cfg, i, slot(slots, i), stream, engine_class) for i in range(cfg.engine.num_engines)]
 
 
 def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stream: bool | None = None,
-                  engine_class: type = EngineActor) -> Any:
+                  engine_class: type = EngineActor, restart: int = 0) -> Any:
     """One EngineActor, `engine-<engine_id>` on the dashboard, not started yet."""
     stream = engines_stream(cfg.algorithm.pause_mode) if stream is None else stream
-    return (ray.remote(engine_class).options(**engine_options(cfg, engine_id), **(slot or {}))
+    return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
             .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream))
 
 
@@ -152,40 +158,49 @@ def create_local_engine(cfg: Config, stream: bool = False) -> EngineActor:
 
 # -- queue and rollout workers ----------------------------------------------------------
 
-def create_queue(cfg: Config, capacity: int | None = None) -> Any:
+def create_queue(cfg: Config, capacity: int | None = None, restart: int = 0) -> Any:
     """The message queue, `message-queue` on the dashboard; it holds no CPU (it only waits)."""
-    return ray.remote(MessageQueue).options(name="message-queue", num_cpus=0, max_concurrency=1000).remote(
+    name = "message-queue" + (f".r{restart}" if restart else "")
+    return ray.remote(MessageQueue).options(name=name, num_cpus=0, max_concurrency=1000).remote(
         capacity or queue_capacity(cfg))
 
 
-def rollout_worker_options(cfg: Config, worker_id: int) -> Options:
-    return {"name": f"rollout-worker-{worker_id}", "num_cpus": cfg.rollout.num_cpus_per_worker,
+def rollout_worker_options(cfg: Config, worker_id: int, restart: int = 0) -> Options:
+    return {"name": _name("rollout-worker", worker_id, restart), "num_cpus": cfg.rollout.num_cpus_per_worker,
             "max_concurrency": 1000}
 
 
 def create_rollout_workers(cfg: Config, engines: list, queue: Any | None, slots: list[Options] | None = None,
-                           sampling: SamplingSpec | None = None) -> list:
+                           sampling: SamplingSpec | None = None, restart: int = 0) -> list:
     """`rollout.num_workers` RolloutWorkers over these engines, emitting groups to `queue`
     (None: each keeps its groups for `take_groups`)."""
-    return [ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, i), **_slot(slots, i))
-            .remote(i, cfg, engines, queue, None, sampling) for i in range(cfg.rollout.num_workers)]
+    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart)
+            for i in range(cfg.rollout.num_workers)]
+
+
+def create_rollout_worker(cfg: Config, worker_id: int, engines: list, queue: Any | None, slot: Options | None = None,
+                          sampling: SamplingSpec | None = None, restart: int = 0) -> Any:
+    """One RolloutWorker, `rollout-worker-<worker_id>` on the dashboard (a replacement: `.rN`)."""
+    return (ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, worker_id, restart), **(slot or {}))
+            .remote(worker_id, cfg, engines, queue, None, sampling))
 
 
 # -- trainer and weight sync -------------------------------------------------------------
 
-def trainer_rank_options(cfg: Config, rank: int) -> Options:
+def trainer_rank_options(cfg: Config, rank: int, restart: int = 0) -> Options:
     """Named for the dashboard; one GPU per rank on GPUs."""
-    opts: Options = {"name": f"trainer-rank-{rank}", "num_cpus": cfg.trainer.num_cpus_per_rank}
+    opts: Options = {"name": _name("trainer-rank", rank, restart), "num_cpus": cfg.trainer.num_cpus_per_rank}
     if cfg.cluster.device == "cuda":
         opts["num_gpus"] = 1
     return opts
 
 
-def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: type = TrainerRank) -> TrainerGroup:
+def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: type = TrainerRank,
+                   restart: int = 0) -> TrainerGroup:
     """The trainer's ranks as Ray actors, behind one TrainerGroup (not set up yet: `setup()`).
     `rank_class`: a TrainerRank subclass (benchmarks and tests add their own probes)."""
     world = trainer_world_size(cfg)
-    ranks = [ray.remote(rank_class).options(**trainer_rank_options(cfg, r), **_slot(slots, r))
+    ranks = [ray.remote(rank_class).options(**trainer_rank_options(cfg, r, restart), **slot(slots, r))
              .remote(cfg, r, world) for r in range(world)]
     return TrainerGroup(ranks)
 

@@ -13,6 +13,15 @@ train():   admit prompts (staleness control) -> take B groups -> train step -> e
            resume interrupted loops) -> evaluate / checkpoint / log.
 cleanup(): final evaluation, HF export, summary.json, every actor stopped (also on
            errors and Ctrl-C), the prompt ledger checked.
+
+Faults (invariant 6): each step starts with a health check of the engines and rollout
+workers. A dead engine is replaced in its placement-group bundle (its loops have already
+moved to the live engines); it joins a new weight-broadcast group and is routed to once the
+next sync gave it the policy. A dead rollout worker is replaced and every prompt it held
+starts again from its prompt. A dead trainer rank restarts the trainer from the newest
+checkpoint, and the whole run goes back to that checkpoint (see `_restart_trainer`). Each
+fault is a `FaultEvent` (logged, counted in the metrics, listed in summary.json); past
+`run.max_*_restarts` the run stops with one line saying why.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +40,14 @@ import ray
 from asyncrl import actors
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
+from asyncrl.config.validate import latest_checkpoint
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
-from asyncrl.messages import EngineActivity, QueueState, WorkerStats
+from asyncrl.messages import EngineActivity, FaultEvent, PendingGroupState, QueueState, WorkerStats
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.batch import group_filter_reason
-from asyncrl.trainer.trainer_group import TrainerGroup
+from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,7 @@ class RunState:
     admitted: int
     problem_stream: dict[str, Any]  # WeightedMultiTask.state()
     base_eval: EvalResult
+    trained_prompts: list[str] = field(default_factory=list)  # in order (a prompt trained twice would show)
 
     @classmethod
     def from_json(cls, text: str) -> RunState:
@@ -75,6 +86,7 @@ class Driver:
         self.samples = 0
         self.train_s = 0.0  # seconds in the training loop so far
         self.engines: list = []
+        self.routed: list = []  # the engine handles the workers route to (a replacement once it has weights)
         self.workers: list = []
         self.queue = None
         self.trainer: TrainerGroup | None = None
@@ -87,6 +99,13 @@ class Driver:
         a = cfg.algorithm
         self.staleness = StalenessController(a.max_staleness, a.prompts_per_step, a.sync_every_steps)
         self.ledger = PromptLedger()
+        self.trained_prompts: list[str] = []
+        self.faults: list[FaultEvent] = []
+        self.restarts = collections.Counter()  # engine / rollout_worker / trainer -> replacements so far
+        self.duplicates_dropped = 0  # groups of prompts already finished (a dead worker's late put)
+        self._last_stats: dict[int, WorkerStats] = {}  # each worker's latest report
+        self._retired_stats: list[WorkerStats] = []  # the last reports of replaced workers (their counts go on)
+        self._last: tuple[float, EngineActivity, dict[str, Any]] | None = None  # the previous step's clocks
 
     # == setup =========================================================================
 
@@ -99,6 +118,7 @@ class Driver:
         logger.info("starting %d engine(s), %d rollout worker(s), %d trainer rank(s)", cfg.engine.num_engines,
                     cfg.rollout.num_workers, actors.trainer_world_size(cfg))
         self.engines = actors.create_engines(cfg, self.placement.engine)
+        self.routed = list(self.engines)
         engine_start = [e.start.remote() for e in self.engines]
         self.trainer = actors.create_trainer(cfg, self.placement.trainer)
         trainer_info = self.trainer.setup()  # the trainer loads while the engines start
@@ -106,14 +126,26 @@ class Driver:
             logger.info("engine-%d: vLLM started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
                         info.start_s, info.rss_gib, info.cpu_cores, info.vllm_processes)
         self.queue = actors.create_queue(cfg)
-        self.workers = actors.create_rollout_workers(cfg, self.engines, self.queue, self.placement.worker)
+        self.workers = actors.create_rollout_workers(cfg, self.routed, self.queue, self.placement.worker)
         self.sync = actors.create_weight_sync(cfg, self.trainer, self.engines)
         self.sync.connect()
 
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
         self.heldout = self.agents.heldout(cfg.eval.num_problems)
         if cfg.run.resume_from:
-            self._resume(Path(cfg.run.resume_from))
+            path = Path(cfg.run.resume_from)
+            if cfg.run.resume_from == "latest":
+                path = latest_checkpoint(self.run_dir)
+                if path is None:
+                    raise TrainingError(f"run.resume_from=latest: no checkpoint in {self.run_dir / 'checkpoints'}")
+            t1 = time.monotonic()
+            event = FaultEvent("run", "driver", 0, f"resumed from {path}")
+            event.loops_resumed, event.prompts_restarted, kept = self._load_checkpoint(path)
+            event.step = self.step
+            event.phases_s = {"setup_s": t1 - t0, "load_checkpoint_s": time.monotonic() - t1}
+            logger.info("resumed in %.0fs; %d loops continue holding %d tokens", event.recovery_s,
+                        event.loops_resumed, kept)
+            self._record(event)
             return
         logger.info("ready in %.0fs (trainer: %s); evaluating the base policy", time.monotonic() - t0, trainer_info)
         self.base_eval = self._evaluate(with_pass_k=True)
@@ -135,57 +167,72 @@ class Driver:
 
     def train(self) -> None:
         cfg = self.cfg
-        t = cfg.trainer
         self._admit()
-        last_time, last_activity, last_rollout = time.monotonic(), self._engine_activity(), {}
-        started = last_time
-        for step in range(self.step + 1, t.total_steps + 1):
+        started = time.monotonic()
+        self._last = (started, self._engine_activity(), {})
+        while self.step < cfg.trainer.total_steps:
             if cfg.run.max_train_s and time.monotonic() - started >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
                 break
-            self.step = step
-            t_wait = time.monotonic()
-            groups, dropped = self._next_batch()
-            waited = time.monotonic() - t_wait
-            result = self.trainer.train_step(groups, self.version)
-            self._check_staleness(result.staleness_max)
-            metrics: dict[str, Any] = dict(result.metrics)
-            for g in groups:
-                reason = group_filter_reason(g, cfg.algorithm.loss)
-                self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
-            step_samples = sum(len(g.trajectories) for g in groups)
-            if len(self.agents.weights) > 1:  # the multi-task mix as trained
-                metrics.update({f"batch/groups/{env}": n for env, n in
-                                collections.Counter(g.env_id for g in groups).items()})
-            self.samples += step_samples
-            if step % cfg.algorithm.sync_every_steps == 0:
-                metrics.update(self._sync())
-            self._admit()
-            now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
-            elapsed = now - last_time
-            engine_s = elapsed * len(self.engines)
-            metrics.update({
-                "policy/version": self.version, "batch/dropped_stale": dropped,
-                "throughput/samples_per_s": step_samples / elapsed,
-                "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
-                "idle/engines": 1 - min(1.0, (activity.busy_s - last_activity.busy_s) / engine_s),
-                "util/engines": min(1.0, (activity.request_s - last_activity.request_s)
-                                    / (engine_s * actors.engine_concurrency(cfg))),
-                "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
-                **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
-            })
-            last_time, last_activity, last_rollout = now, activity, rollout
+            try:
+                self._check_health()
+                self._train_step()
+            except TrainerRankDied as e:
+                self._restart_trainer(str(e))
             self.train_s = time.monotonic() - started
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
-                metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
-            if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
-                self.save_checkpoint()
-            self.log.log(step, metrics)
-            self.queue.report.remote(_gauges(metrics))
+
+    def _train_step(self) -> None:
+        """One step: B groups -> train -> (sync) -> admit -> metrics, evaluation, checkpoint."""
+        cfg, t = self.cfg, self.cfg.trainer
+        self.step += 1
+        step = self.step
+        t_wait = time.monotonic()
+        groups, dropped = self._next_batch()
+        waited = time.monotonic() - t_wait
+        result = self.trainer.train_step(groups, self.version)
+        self._check_staleness(result.staleness_max)
+        metrics: dict[str, Any] = dict(result.metrics)
+        for g in groups:
+            reason = group_filter_reason(g, cfg.algorithm.loss)
+            self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
+            if not reason:
+                self.trained_prompts.append(g.prompt_id)
+        step_samples = sum(len(g.trajectories) for g in groups)
+        if len(self.agents.weights) > 1:  # the multi-task mix as trained
+            metrics.update({f"batch/groups/{env}": n for env, n in
+                            collections.Counter(g.env_id for g in groups).items()})
+        self.samples += step_samples
+        if step % cfg.algorithm.sync_every_steps == 0:
+            metrics.update(self._sync())
+        self._admit()
+        last_time, last_activity, last_rollout = self._last
+        now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
+        elapsed = now - last_time
+        engine_s = elapsed * len(self.engines)
+        metrics.update({
+            "policy/version": self.version, "batch/dropped_stale": dropped,
+            "batch/duplicates_dropped": self.duplicates_dropped,
+            "throughput/samples_per_s": step_samples / elapsed,
+            "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
+            "idle/engines": 1 - min(1.0, max(0.0, activity.busy_s - last_activity.busy_s) / engine_s),
+            "util/engines": min(1.0, max(0.0, activity.request_s - last_activity.request_s)
+                                / (engine_s * actors.engine_concurrency(cfg))),
+            "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
+            **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
+            **self._fault_metrics(),
+        })
+        self._last = (now, activity, rollout)
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
+            metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
+        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
+            self.save_checkpoint()
+        self.log.log(step, metrics)
+        self.queue.report.remote(_gauges(metrics))
 
     def _next_batch(self) -> tuple[list, int]:
         """B groups from the queue; groups staler than eta are dropped (counted) so that no
-        trained token ever exceeds the bound."""
+        trained token ever exceeds the bound, and so is a group whose prompt is no longer
+        running (a dead worker's group that reached the queue after its prompt was restarted)."""
         b = self.cfg.algorithm.prompts_per_step
         timeout = self.cfg.trainer.dist_timeout_s
         try:
@@ -195,13 +242,18 @@ class Driver:
                 raise
             raise TrainingError(f"waited {timeout:g}s (trainer.dist_timeout_s) for {b} trajectory groups; "
                                 f"rollout: {self._rollout_metrics()}") from None
-        fresh = []
+        fresh, stale = [], 0
         for g in groups:
-            if self.staleness.is_fresh(g, self.version):
+            if self.ledger.states.get(g.prompt_id) != "running":
+                self.duplicates_dropped += 1
+                logger.warning("dropped group %s: its prompt is %s already", g.group_id,
+                               self.ledger.states.get(g.prompt_id))
+            elif self.staleness.is_fresh(g, self.version):
                 fresh.append(g)
             else:
+                stale += 1
                 self.ledger.finish(g.prompt_id, "filtered", "stale")
-        return fresh, len(groups) - len(fresh)
+        return fresh, stale
 
     def _check_staleness(self, staleness_max: int) -> None:
         eta = self.cfg.algorithm.max_staleness
@@ -216,7 +268,7 @@ class Driver:
         while room > 0:
             problems = [self.agents.next_problem() for _ in range(room)]
             shares = [problems[i::len(self.workers)] for i in range(len(self.workers))]
-            accepted = sum(ray.get([w.submit.remote(s) for w, s in zip(self.workers, shares) if s]))
+            accepted = sum(self._on_workers("submit", per_worker=[(s,) for s in shares]))
             rejected = self._rejected_prompts()
             for p in problems:
                 self.ledger.admit(p.prompt_id)
@@ -231,32 +283,53 @@ class Driver:
                                     f"({dict(reasons)}); e.g. {next(iter(rejected.values()), '')}")
 
     def _worker_stats(self) -> list[WorkerStats]:
-        return ray.get([w.get_stats.remote() for w in self.workers])
+        """Every live worker's report, then the last reports of the workers they replaced."""
+        stats = self._on_workers("get_stats")
+        self._last_stats = dict(enumerate(stats))
+        return stats + self._retired_stats
 
     def _rejected_prompts(self) -> dict[str, Any]:
         """prompt id -> Failure, for every row a worker refused."""
         return {pid: f for stats in self._worker_stats() for pid, f in stats.failed_prompts.items()}
 
     def _sync(self) -> dict[str, float]:
-        """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops."""
+        """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops. An
+        engine that dies meanwhile is replaced and the sync done again, with its replacement."""
         a = self.cfg.algorithm
         if not a.partial_rollout:  # finish what is generating under the old weights first
-            ray.get([w.drain.remote() for w in self.workers])
+            self._on_workers("drain")
         if a.pause_mode == "abort":
-            ray.get([w.interrupt.remote() for w in self.workers])
-        metrics = self.sync.sync(self.version + 1, a.pause_mode).metrics()
+            self._on_workers("interrupt")
+        try:
+            timings = self.sync.sync(self.version + 1, a.pause_mode)
+        except TrainerRankDied:
+            raise
+        except Exception as e:
+            self.trainer.check_alive()  # a trainer rank that died fails its broadcast: that is the fault
+            if not self._check_health():
+                raise
+            logger.warning("weight sync to version %d failed (%s); again with the replacement engine(s)",
+                           self.version + 1, e)
+            timings = self.sync.sync(self.version + 1, a.pause_mode)
         self.version += 1
+        self._route_joined_engines()
+        metrics = timings.metrics()
         if a.pause_mode == "abort":
-            metrics["sync/resumed_loops"] = sum(ray.get([w.resume_interrupted.remote() for w in self.workers]))
+            metrics["sync/resumed_loops"] = sum(self._on_workers("resume_interrupted"))
         return metrics
 
     def _engine_activity(self) -> EngineActivity:
-        each = ray.get([e.activity.remote() for e in self.engines])
+        try:
+            each = ray.get([e.activity.remote() for e in self.engines])
+        except ray.exceptions.RayActorError:
+            self._check_health()
+            each = ray.get([e.activity.remote() for e in self.engines])
         return EngineActivity(sum(a.busy_s for a in each), sum(a.request_s for a in each))
 
     def _rollout_metrics(self) -> dict[str, Any]:
         stats = self._worker_stats()
-        keys = ("generated_tokens", "interruptions", "resumes", "trajectories_finished", "running_loops", "snapshots")
+        keys = ("generated_tokens", "interruptions", "resumes", "trajectories_finished", "running_loops", "snapshots",
+                "engine_failovers")
         out: dict[str, Any] = {f"rollout/{k}": sum(getattr(s, k) for s in stats) for k in keys}
         failures: collections.Counter[str] = collections.Counter()
         tool_errors: collections.Counter[str] = collections.Counter()
@@ -279,26 +352,202 @@ class Driver:
             out.update({f"eval/{env}/{k}": v for env, m in result.per_env.items() for k, v in m.items()})
         return out
 
+    # == faults ==========================================================================
+
+    def _on_workers(self, method: str, per_worker: list[tuple] | None = None) -> list:
+        """`method` on every rollout worker (with `per_worker[i]` as worker i's arguments); a worker
+        found dead is replaced (`_check_health`) and the call made on its replacement."""
+        calls = per_worker or [()] * len(self.workers)
+        refs = [getattr(w, method).remote(*args) for w, args in zip(self.workers, calls)]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                self._check_health()
+                out.append(ray.get(getattr(self.workers[i], method).remote(*calls[i])))
+        return out
+
+    def _check_health(self) -> bool:
+        """Ask every engine and rollout worker whether it is alive (a hung one does not answer
+        within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
+        timeout = self.cfg.run.health_timeout_s
+        probes = [("engine", i, e.health.remote()) for i, e in enumerate(self.engines)]
+        probes += [("rollout_worker", i, w.get_stats.remote()) for i, w in enumerate(self.workers)]
+        ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
+        dead = []
+        for kind, i, ref in probes:
+            if ref not in ready:
+                dead.append((kind, i, f"no answer to a health check within {timeout:g}s (run.health_timeout_s)"))
+                continue
+            try:
+                answer = ray.get(ref)
+            except Exception as e:
+                dead.append((kind, i, _first_line(e)))
+                continue
+            if kind == "rollout_worker":
+                self._last_stats[i] = answer
+        started = [self._replace_engine(i, why) for kind, i, why in dead if kind == "engine"]
+        if started:
+            t0 = time.monotonic()
+            self.sync.connect()  # a new broadcast group: the old one counted the dead engines' workers
+            for event in started:
+                event.phases_s["weight_group_s"] = time.monotonic() - t0
+                self._record(event)
+        for kind, i, why in dead:
+            if kind == "rollout_worker":
+                self._replace_worker(i, why)
+        return bool(dead)
+
+    def _count_restart(self, kind: str, limit: int, why: str) -> None:
+        if self.restarts[kind] >= limit:
+            raise TrainingError(f"{kind.replace('_', ' ')} failed ({why}) after {self.restarts[kind]} "
+                                f"replacement(s): run.max_{'worker' if kind == 'rollout_worker' else kind}_restarts"
+                                f"={limit} reached")
+        self.restarts[kind] += 1
+
+    def _replace_engine(self, i: int, why: str) -> FaultEvent:
+        """A new engine in the dead one's bundle (the caller forms a new broadcast group); the
+        workers route to it once a sync gave it the policy (`_route_joined_engines`)."""
+        self._count_restart("engine", self.cfg.run.max_engine_restarts, why)
+        event = FaultEvent("engine", f"engine-{i}", self.step, why)
+        logger.warning("engine-%d failed: %s; starting a replacement", i, why)
+        t0 = time.monotonic()
+        try:  # what is left of its vLLM processes stops with it
+            ray.get(self.engines[i].shutdown.remote(), timeout=10)
+        except Exception:  # dead, or hung
+            pass
+        _kill(self.engines[i])
+        engine = actors.create_engine(self.cfg, i, actors.slot(self.placement.engine, i),
+                                      restart=self.restarts["engine"])
+        ray.get(engine.start.remote())
+        self.engines[i] = engine
+        event.phases_s = {"start_engine_s": time.monotonic() - t0}
+        return event
+
+    def _route_joined_engines(self) -> None:
+        """After a sync every engine holds the policy: replacements join the workers' routing."""
+        for i, engine in enumerate(self.engines):
+            if self.routed[i] is not engine:
+                self.routed[i] = engine
+                self._on_workers("replace_engine", per_worker=[(i, engine)] * len(self.workers))
+                logger.info("engine-%d's replacement holds version %d: routed to", i, self.version)
+
+    def _replace_worker(self, i: int, why: str) -> None:
+        """A new worker in the dead one's bundle; every prompt the dead one held starts again."""
+        self._count_restart("rollout_worker", self.cfg.run.max_worker_restarts, why)
+        event = FaultEvent("rollout_worker", f"rollout-worker-{i}", self.step, why)
+        logger.warning("rollout-worker-%d failed: %s; starting a replacement", i, why)
+        t0 = time.monotonic()
+        _kill(self.workers[i])
+        last = self._last_stats.pop(i, None)
+        if last is not None:
+            self._retired_stats.append(last)
+            event.tokens_lost = last.pending_tokens
+        self.workers[i] = actors.create_rollout_worker(self.cfg, i, self.routed, self.queue,
+                                                       actors.slot(self.placement.worker, i),
+                                                       restart=self.restarts["rollout_worker"])
+        ray.get(self.workers[i].get_stats.remote())  # constructed
+        t1 = time.monotonic()
+        # Workers first, then the queue: a group moving from one to the other is seen at least once.
+        held = {p for w in self.workers for p in ray.get(w.pending_prompts.remote())}
+        queued = set(ray.get(self.queue.prompt_ids.remote()))
+        lost = sorted(self.ledger.running() - held - queued)
+        problems = [self.agents.problem_by_id(p) for p in lost]
+        n = len(self.workers)
+        self._on_workers("submit", per_worker=[(problems[k::n],) for k in range(n)])
+        event.prompts_restarted = len(lost)
+        event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
+        self._record(event)
+
+    def _restart_trainer(self, why: str) -> None:
+        """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the
+        whole run goes back to it. The stated rule: what was generated or trained after that
+        checkpoint is thrown away (rollout workers and queue are restarted too), and the
+        checkpoint's queue, ledger, problem stream and loop snapshots take over; the engines get the
+        checkpoint's weights. So no token is newer than the restored policy, the staleness
+        bound holds, and no prompt is lost or trained twice in the final policy."""
+        self._count_restart("trainer", self.cfg.run.max_trainer_restarts, why)
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise TrainingError(f"a trainer rank died ({why}) and this run has no checkpoint to restart from "
+                                "(set trainer.checkpoint_every)")
+        event = FaultEvent("trainer", "trainer", self.step, why)
+        logger.warning("%s; restarting the trainer from %s", why, path)
+        n = self.restarts["trainer"]
+        t0 = time.monotonic()
+        for actor in [*self.trainer.ranks, *self.workers, self.queue]:  # live ranks may wait on the dead one
+            _kill(actor)
+        self._retired_stats += list(self._last_stats.values())
+        self.trainer = actors.create_trainer(self.cfg, self.placement.trainer, restart=n)
+        self.trainer.setup()
+        t1 = time.monotonic()
+        self.queue = actors.create_queue(self.cfg, restart=n)
+        self.workers = actors.create_rollout_workers(self.cfg, self.routed, self.queue, self.placement.worker,
+                                                     restart=self.restarts["rollout_worker"] + n)
+        self._last_stats.clear()
+        self.sync = actors.create_weight_sync(self.cfg, self.trainer, self.engines)
+        self.sync.connect()
+        t2 = time.monotonic()
+        lost_steps = self.step - int(path.name.removeprefix("step_"))
+        event.loops_resumed, event.prompts_restarted, _ = self._load_checkpoint(path)
+        event.phases_s = {"start_trainer_s": t1 - t0, "workers_and_weight_group_s": t2 - t1,
+                          "load_checkpoint_s": time.monotonic() - t2}
+        logger.warning("trainer restarted: back at step %d (%d step(s) trained again)", self.step, lost_steps)
+        self._record(event)
+
+    def _record(self, event: FaultEvent) -> None:
+        """Log the event, count it, and append it to RUN_DIR/faults.jsonl (kept across resumes)."""
+        self.faults.append(event)
+        with open(self.run_dir / "faults.jsonl", "a") as f:
+            f.write(json.dumps({**asdict(event), "recovery_s": event.recovery_s}) + "\n")
+        logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
+                       {k: round(v, 2) for k, v in event.phases_s.items()})
+
+    def _fault_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {f"faults/{kind}": n for kind, n in self.restarts.items()}
+        if self.faults:
+            out["faults/last_recovery_s"] = self.faults[-1].recovery_s
+        return out
+
     # == checkpoints and the end ===========================================================
 
-    def save_checkpoint(self) -> str:
-        """Trainer state (megatron dist checkpoint), queue contents, prompt ledger, the driver's state."""
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+    def _take_snapshots(self) -> tuple[list[PendingGroupState], QueueState]:
+        """Every running loop's snapshot and the queue's contents, at one instant: the workers
+        stop their loops, the engines pause (abort: requests return what they generated), the
+        workers hand over their unfinished groups, the queue its groups; then all go on."""
+        self._on_workers("interrupt")
+        ray.get([e.pause.remote("abort") for e in self.engines])
+        pending = [g for groups in self._on_workers("checkpoint") for g in groups]
         queue_state: QueueState = ray.get(self.queue.state.remote())
+        ray.get([e.resume.remote() for e in self.engines])
+        self._on_workers("resume_interrupted")
+        return pending, queue_state
+
+    def save_checkpoint(self) -> str:
+        """Trainer state (megatron dist checkpoint), queue contents, loop snapshots, prompt ledger,
+        the driver's state (run_state.json, written last: it marks the checkpoint complete)."""
+        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
+        pending, queue_state = self._take_snapshots()
         state = RunState(step=self.step, version=self.version, samples=self.samples,
-                         admitted=self.staleness.admitted, problem_stream=self.agents.state(), base_eval=self.base_eval)
+                         admitted=self.staleness.admitted, problem_stream=self.agents.state(), base_eval=self.base_eval,
+                         trained_prompts=list(self.trained_prompts))
         self.trainer.save_checkpoint(str(path))
         self.trainer.export_hf(str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
-        (path / "run_state.json").write_text(json.dumps(asdict(state)))
         (path / "queue.json").write_text(json.dumps(queue_state.to_dict()))
+        (path / "loops.json").write_text(json.dumps([g.to_dict() for g in pending]))
         (path / "ledger.json").write_text(json.dumps({"states": self.ledger.states,
                                                       "reasons": dict(self.ledger.reasons)}))
-        logger.info("checkpoint: %s", path)
+        (path / "run_state.json").write_text(json.dumps(asdict(state)))
+        logger.info("checkpoint: %s (%d groups queued, %d unfinished with %d loop snapshots)", path,
+                    len(queue_state.groups), len(pending), sum(len(g.snapshots) for g in pending))
         return str(path)
 
-    def _resume(self, path: Path) -> None:
-        """Continue a run from `save_checkpoint`'s directory. Prompts that were generating when
-        it was saved (neither queued nor finished) start again from their prompt."""
+    def _load_checkpoint(self, path: Path) -> tuple[int, int, int]:
+        """Continue from `save_checkpoint`'s directory (`run.resume_from`, or a trainer restart):
+        every loop it holds goes on from its snapshot; a prompt that was running but is in
+        neither the queue nor a snapshot (a remote agent's group) starts again from its prompt.
+        Returns the loops resumed, the prompts restarted and the generated tokens kept."""
         state = RunState.from_json((path / "run_state.json").read_text())
         trainer_step = self.trainer.load_checkpoint(str(path))
         if trainer_step != state.step:
@@ -307,17 +556,29 @@ class Driver:
         self.staleness.admitted = state.admitted
         self.agents.restore(state.problem_stream)
         self.base_eval = state.base_eval
+        self.trained_prompts = list(state.trained_prompts)
         queue_state = QueueState.from_dict(json.loads((path / "queue.json").read_text()))
         ray.get(self.queue.restore.remote(queue_state))
         ledger = json.loads((path / "ledger.json").read_text())
         self.ledger = PromptLedger(ledger["states"], collections.Counter(ledger["reasons"]))
         self.sync.sync(self.version, self.cfg.algorithm.pause_mode)  # the engines get the restored weights
+        self._route_joined_engines()
+        loops_file = path / "loops.json"
+        pending = [PendingGroupState.from_dict(g) for g in json.loads(loops_file.read_text())] \
+            if loops_file.is_file() else []
+        n = len(self.workers)
+        self._on_workers("restore", per_worker=[
+            (pending[k::n], [self.agents.problem_by_id(g.prompt_id) for g in pending[k::n]]) for k in range(n)])
         queued = {g.prompt_id for g in queue_state.groups}
-        restart = [self.agents.problem_by_id(p) for p in sorted(self.ledger.running() - queued)]
+        restart = [self.agents.problem_by_id(p)
+                   for p in sorted(self.ledger.running() - queued - {g.prompt_id for g in pending})]
         if restart:
-            ray.get([w.submit.remote(restart[i::len(self.workers)]) for i, w in enumerate(self.workers)])
-        logger.info("resumed from %s: step %d, version %d, %d groups queued, %d prompts restarted",
-                    path, self.step, self.version, len(queued), len(restart))
+            self._on_workers("submit", per_worker=[(restart[k::n],) for k in range(n)])
+        loops, kept = sum(len(g.snapshots) for g in pending), sum(g.generated_tokens() for g in pending)
+        logger.info("resumed from %s: step %d, version %d, %d groups queued, %d loops continue from their "
+                    "snapshots (%d tokens kept), %d prompts restarted", path, self.step, self.version, len(queued),
+                    loops, kept, len(restart))
+        return loops, len(restart), kept
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
@@ -334,8 +595,13 @@ class Driver:
             "samples": self.samples,
             "policy_version": self.version, "final_policy": export, "metrics": str(self.log.path),
             "prompts": self.ledger_counts(), "max_staleness": self.cfg.algorithm.max_staleness,
+            "prompts_trained_twice": len(self.trained_prompts) - len(set(self.trained_prompts)),
+            "duplicates_dropped": self.duplicates_dropped,
+            "faults": [{**asdict(f), "recovery_s": f.recovery_s} for f in self.faults],
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if summary["prompts"]["lost"]:
+            raise TrainingError(f"invariant broken: {summary['prompts']['lost']} prompts lost (summary.json)")
         return summary
 
     def ledger_counts(self) -> dict[str, int]:
@@ -344,14 +610,14 @@ class Driver:
         running = self.ledger.running()
         # Workers first, then the queue: a group moving from one to the other meanwhile is
         # then seen twice rather than missed (it leaves a worker only once it is queued).
-        in_workers = {p for ps in ray.get([w.pending_prompts.remote() for w in self.workers]) for p in ps}
+        in_workers = {p for ps in self._on_workers("pending_prompts") for p in ps}
         in_queue = set(ray.get(self.queue.prompt_ids.remote()))
         unaccounted = running - in_queue - in_workers
         if unaccounted:
-            raise TrainingError(f"invariant broken: {len(unaccounted)} running prompts are neither queued nor in "
-                                f"a worker, e.g. {sorted(unaccounted)[:3]}")
-        counts.update({"queued": len(running & in_queue), "in_workers": len(running - in_queue),
-                       "admitted": len(self.ledger.states)})
+            logger.error("invariant broken: %d running prompts are neither queued nor in a worker, e.g. %s",
+                         len(unaccounted), sorted(unaccounted)[:3])
+        counts.update({"queued": len(running & in_queue), "in_workers": len(running - in_queue - unaccounted),
+                       "lost": len(unaccounted), "admitted": len(self.ledger.states)})
         return counts
 
     def cleanup(self) -> None:
@@ -363,25 +629,31 @@ class Driver:
             return
         # The run is over: loops still generating would only fail, one traceback each, as their engine goes.
         for w in self.workers:
-            try:
-                ray.kill(w)
-            except Exception:  # already gone
-                pass
+            _kill(w)
         for e in self.engines:
             try:
                 ray.get(e.shutdown.remote(), timeout=60)
             except Exception as err:  # a dead engine cannot shut down; it is killed below
-                logger.warning("engine shutdown: %s", err)
+                logger.warning("engine shutdown: %s", _first_line(err))
         if self.trainer is not None:
             self.trainer.shutdown()
         for actor in [*self.engines, *([self.queue] if self.queue else [])]:
-            try:
-                ray.kill(actor)
-            except Exception:  # already gone
-                pass
+            _kill(actor)
         actors.remove_placement(self.placement)
         if self._started_ray:
             ray.shutdown()
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass
+
+
+def _first_line(e: BaseException) -> str:
+    """Ray's errors carry the remote traceback after their first line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def tool_call_validity(rollout: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:

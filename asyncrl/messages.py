@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from asyncrl.types import TrajectoryGroup
+from asyncrl.types import AgentLoopSnapshot, Trajectory, TrajectoryGroup
 
 # -- failures ---------------------------------------------------------------------------
 
@@ -149,6 +149,57 @@ class WorkerStats:
     tool_calls: int = 0  # in finished trajectories (their info["tool_calls"])
     tool_errors: dict[str, int] = field(default_factory=dict)  # reason -> calls (their info["tool_errors"])
     engine_outstanding: list[int] = field(default_factory=list)  # this worker's requests per engine
+    engine_failovers: int = 0  # requests that ended because their engine failed (their loops moved on)
+    pending_tokens: int = 0  # policy tokens held by unfinished groups (finished samples and snapshots)
+
+
+@dataclass
+class PendingGroupState:
+    """A group a rollout worker had not finished when a checkpoint was taken: the trajectories
+    it had finished (None where a sample was still running) and, by sample index, the snapshot
+    of each loop still running. Any worker continues it (`RolloutWorker.restore`)."""
+
+    group_id: str
+    prompt_id: str
+    trajectories: list[Trajectory | None]
+    snapshots: dict[int, AgentLoopSnapshot]
+
+    def generated_tokens(self) -> int:
+        """Policy tokens kept: those of the finished samples and of the snapshots."""
+        done = [t for t in self.trajectories if t is not None] + [s.trajectory for s in self.snapshots.values()]
+        return sum(sum(t.loss_mask) for t in done)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "prompt_id": self.prompt_id,
+                "trajectories": [t.to_dict() if t is not None else None for t in self.trajectories],
+                "snapshots": {str(i): s.to_dict() for i, s in self.snapshots.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PendingGroupState:
+        return cls(d["group_id"], d["prompt_id"],
+                   [Trajectory.from_dict(t) if t is not None else None for t in d["trajectories"]],
+                   {int(i): AgentLoopSnapshot.from_dict(s) for i, s in d["snapshots"].items()})
+
+
+# -- faults -----------------------------------------------------------------------------
+
+@dataclass
+class FaultEvent:
+    """One fault the driver recovered from: what died, when it was seen, how long each phase of
+    the recovery took, and what it cost (prompts started again, generated tokens thrown away)."""
+
+    kind: str  # engine | rollout_worker | trainer
+    actor: str  # its dashboard name
+    step: int  # the train step during which it was found
+    error: str
+    phases_s: dict[str, float] = field(default_factory=dict)
+    prompts_restarted: int = 0
+    loops_resumed: int = 0
+    tokens_lost: int = 0  # at least this many (what the driver could count)
+
+    @property
+    def recovery_s(self) -> float:
+        return sum(self.phases_s.values())
 
 
 # -- queue ------------------------------------------------------------------------------

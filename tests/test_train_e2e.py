@@ -46,7 +46,8 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
     assert 0 <= summary["base_accuracy"] <= 1 and 0 <= summary["final_accuracy"] <= 1
     p = summary["prompts"]
     assert p["admitted"] == p["running"] + p["trained"] + p["filtered"] + p["failed"]
-    assert p["running"] == p["queued"] + p["in_workers"]
+    assert p["running"] == p["queued"] + p["in_workers"] and p["lost"] == 0
+    assert summary["prompts_trained_twice"] == 0 and summary["faults"] == []
     assert p["trained"] + p["filtered"] == steps * batch  # every group taken from the queue: trained, or filtered
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "train/staleness_max" in r]

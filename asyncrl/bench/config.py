@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,6 +33,10 @@ class BenchConfig:
     # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
     train_s: float = 180.0
     repeats: int = 1  # sync-vs-async bench: (sync, async) pairs run one after the other
+    # faults bench: after these steps it kills an engine's vLLM core, a rollout worker, a trainer
+    # rank, then the whole run (increasing; the last two after a checkpoint).
+    fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
+    checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
 
 
 def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
@@ -60,6 +64,11 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
     for name in ("warmup_rounds", "settle_s"):
         if getattr(b, name) < 0:
             problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 0")
+    if len(b.fault_steps) != 4 or any(s < 1 for s in b.fault_steps) or sorted(set(b.fault_steps)) != b.fault_steps:
+        problems.append(f"bench.fault_steps={b.fault_steps!r}: must be 4 increasing steps >= 1 "
+                        "(engine, rollout worker, trainer rank, whole run)")
+    if b.checkpoint_every < 1:
+        problems.append(f"bench.checkpoint_every={b.checkpoint_every!r}: must be >= 1")
     if b.train_s < 1:
         problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
     if problems:

@@ -5,6 +5,7 @@ baseline in the same run.
     rollout       the rollout path (worker -> agent loop -> engine actor) vs raw vLLM
     weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
+    faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
 
 `bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
 training config, composed and validated as `asyncrl train` does.
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "rollout": "asyncrl.bench.rollout:run_rollout_bench",
     "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
+    "faults": "asyncrl.bench.faults:run_faults_bench",
 }
 _selected: list[tuple[str, BenchConfig]] = []
 

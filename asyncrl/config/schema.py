@@ -37,8 +37,17 @@ class RunConfig:
     # Where metrics, checkpoints and the exported policy go. Empty: Hydra's run dir.
     output_dir: str = ""
     # A checkpoint directory (RUN_DIR/checkpoints/step_N) to continue from: trainer state,
-    # queue contents, prompt ledger and counters; prompts that were generating are restarted.
+    # queue contents, prompt ledger, problem stream and the snapshot of every loop that was
+    # running (each continues where it stopped). "latest": the newest checkpoint in run.output_dir.
     resume_from: str = ""
+    # Faults survived before the run stops (a dead engine or rollout worker is replaced; a dead
+    # trainer rank restarts the trainer from the newest checkpoint of this run).
+    max_engine_restarts: int = 4
+    max_worker_restarts: int = 4
+    max_trainer_restarts: int = 2
+    # An engine or rollout worker that does not answer a health check within this many
+    # seconds counts as dead (it hangs).
+    health_timeout_s: float = 120.0
     # Stop training after this many seconds of training (setup and final evaluation not
     # counted), even before trainer.total_steps; 0: no limit.
     max_train_s: float = 0.0

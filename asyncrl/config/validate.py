@@ -157,7 +157,15 @@ def _check_values(c: Config, problems: list[str]) -> None:
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    if c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
+    for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts"):
+        at_least(f"run.{key}", getattr(c.run, key), 0, "0: the first such fault ends the run")
+    need(0 < c.run.health_timeout_s <= MAX_TIMEOUT_S, "run.health_timeout_s", c.run.health_timeout_s,
+         f"seconds in (0, {MAX_TIMEOUT_S:g}]")
+    if c.run.resume_from == "latest":
+        if not c.run.output_dir or latest_checkpoint(Path(c.run.output_dir)) is None:
+            problems.append(f"run.resume_from=latest: no checkpoint in run.output_dir={c.run.output_dir!r} "
+                            "(expected RUN_DIR/checkpoints/step_N)")
+    elif c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
         problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
                         "(expected RUN_DIR/checkpoints/step_N with trainer_state.pt)")
     if c.model.tokenizer_path:
@@ -408,3 +416,9 @@ def _reasoning_gym_task_names() -> set[str]:
     import reasoning_gym.factory  # imported here: it takes ~1 s and only validation needs it
 
     return set(reasoning_gym.factory.DATASETS)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run directory (`run.resume_from=latest`)."""
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "run_state.json").is_file()]
+    return max(done, key=lambda p: p.name) if done else None

@@ -19,6 +19,11 @@ Request lifecycle (`generate`):
 Rollout workers reach `generate` over the engine's request channel (`open_channel()`,
 asyncrl/inference/channel.py), which costs a tenth of a Ray call a request; it is a Ray method too.
 
+Failure: when vLLM's engine core dies (killed, out of memory, crashed) the actor closes its
+request channel, so every worker's requests in flight end at once and their loops move to
+other engines, and `health()` raises `EngineFailed` from then on; the driver replaces the
+actor. `health()` also goes through the engine core, so a core that hangs does not answer.
+
 Weight updates: `update_weights(version)` (pause -> the trainer's broadcast, see asyncrl.sync
 -> resume, in one call) or `pause(mode)` -> `load_weights(state_dict, version)` -> `resume()`. Names and
 shapes are checked against the checkpoint before vLLM sees them, because a failed
@@ -41,7 +46,7 @@ import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
-from asyncrl.engine.vllm_compat import max_concurrent_batches, pause_scheduler
+from asyncrl.engine.vllm_compat import engine_dead_error, max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
 from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
@@ -57,6 +62,10 @@ ABORT_GRACE_S = 0.1
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
 _TIED_OPTIONAL = {"lm_head.weight"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class EngineFailed(RuntimeError):
+    """The engine's vLLM processes died: it cannot generate again (the driver replaces it)."""
 
 
 def engines_stream(pause_mode: str) -> bool:
@@ -94,6 +103,7 @@ class EngineActor:
         self._expected_weights = _checkpoint_tensor_specs(model_path)
         self._channel: ChannelServer | None = None
         self._channel_address: ChannelAddress | None = None
+        self._failed = ""  # why vLLM can no longer serve (its engine core died); empty: it can
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -130,12 +140,38 @@ class EngineActor:
     async def open_channel(self) -> ChannelAddress:
         """Where rollout workers send `generate` requests without a Ray call each
         (asyncrl.inference.channel); started on the first call."""
+        if self._failed:
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
         if self._channel_address is None:
             import ray
 
             self._channel = ChannelServer(self.generate, f"engine-{self.engine_id}")
             self._channel_address = await self._channel.start(ray.util.get_node_ip_address())
         return self._channel_address
+
+    async def health(self) -> float:
+        """Seconds a round trip through the engine core takes; raises `EngineFailed` once vLLM
+        died. A core that hangs never answers: the caller bounds the wait."""
+        t0 = time.monotonic()
+        if not self._failed and self._llm is not None and self._llm.errored:
+            self._fail("vLLM's engine core is dead")
+        if self._failed:
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
+        try:
+            await self._llm.collective_rpc("asyncrl_parent_pid")
+        except engine_dead_error() as e:
+            self._fail(f"vLLM's engine core is dead ({type(e).__name__})")
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
+        return time.monotonic() - t0
+
+    def _fail(self, reason: str) -> None:
+        """vLLM cannot serve again: close the request channel (the workers' requests in flight end
+        now and go elsewhere) and refuse every later call."""
+        if not self._failed:
+            logger.error("engine-%d failed: %s", self.engine_id, reason)
+            self._failed = reason
+            if self._channel is not None:
+                self._channel.close()
 
     async def shutdown(self) -> None:
         if self._channel is not None:
@@ -156,6 +192,8 @@ class EngineActor:
         finish_reason = "abort"
         # 1) submit, once not paused (vLLM would queue it, and an abort pause would wait on it)
         await self._accepting.wait()
+        if self._failed:
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
         self._account()
         self._outstanding.add(request_id)
         self._idle.clear()
@@ -171,6 +209,9 @@ class EngineActor:
                 if out.finished:
                     # 3) "stop", "length" or "abort"
                     finish_reason = completion.finish_reason or "abort"
+        except engine_dead_error():
+            self._fail("vLLM's engine core died")
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
         finally:
             # 4) done
             self._account()

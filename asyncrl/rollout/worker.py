@@ -15,11 +15,14 @@ Lifecycle of a submitted problem:
      each on the engine the router picks. Steps 2-4 of one sample are `run_sample`
      (asyncrl/agents/api.py); the worker keeps the slots, snapshots, groups and counts.
   3) A loop that is interrupted (engine paused with abort, or `interrupt()`) leaves a
-     snapshot; `resume_interrupted()` continues it, on any engine.
+     snapshot; `resume_interrupted()` continues it, on any engine. A loop whose engine
+     failed (the worker not interrupted) continues at once on a live engine.
   4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure. A loop that raises becomes a failed trajectory (counted), never a crash.
   5) When all n trajectories are finished, the group goes to the sink.
+`checkpoint()` (while interrupted) hands the driver every unfinished group: its finished
+samples and its loops' snapshots; `restore()` continues such groups, in any worker.
 A remote agent's group is one HTTP request to its env server instead (steps 2-4 happen
 there); the server generates through this worker's inference gateway, which carries
 its requests across weight syncs.
@@ -28,6 +31,7 @@ its requests across weight syncs.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -44,7 +48,7 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import InferenceInterface
-from asyncrl.messages import Failure, WorkerStats
+from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
@@ -95,6 +99,7 @@ class RolloutWorker:
         self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
         self._groups: list[TrajectoryGroup] = []  # emitted groups, when there is no sink
         self._tasks: set[asyncio.Task] = set()
+        self._sample_tasks: set[asyncio.Task] = set()  # of them, the local loops (not remote groups)
         self._pending: dict[str, _PendingGroup] = {}  # admitted groups not yet emitted
         self._group_counter = itertools.count()
         # Engines behind one routed interface that waits out weight syncs: evaluation, and
@@ -139,6 +144,50 @@ class RolloutWorker:
             self._spawn(group, index, snapshot)
         return len(snapshots)
 
+    async def checkpoint(self) -> list[PendingGroupState]:
+        """Every unfinished local group as it stands, for a checkpoint: its finished samples and
+        the snapshot of each of its loops. Call it while interrupted (`interrupt()`, engines
+        paused): it waits until every loop finished or left its snapshot. Remote groups are not
+        included (their env server holds their state): their prompts start again on restore."""
+        if not self._interrupt.is_set():
+            raise RuntimeError("checkpoint() while loops run: interrupt() first")
+        while self._sample_tasks:
+            await asyncio.gather(*list(self._sample_tasks), return_exceptions=True)
+        snapshots: dict[str, dict[int, AgentLoopSnapshot]] = collections.defaultdict(dict)
+        for group, index, snapshot in self._snapshots:
+            snapshots[group.group_id][index] = snapshot
+        return [PendingGroupState(g.group_id, g.problem.prompt_id, list(g.trajectories), snapshots[g.group_id])
+                for g in self._pending.values() if not g.agent.remote]
+
+    async def restore(self, groups: list[PendingGroupState], problems: list[Problem]) -> int:
+        """Continue groups a checkpoint holds (`problems[i]` is `groups[i]`'s problem): finished
+        samples are kept, each snapshot resumes where it stopped (a sample with neither starts
+        from its prompt). Returns how many groups were accepted (a row refused now is counted as
+        at submit)."""
+        accepted = 0
+        for state, problem in zip(groups, problems, strict=True):
+            group = self._admit(problem, len(state.trajectories))
+            if group is None:
+                continue
+            accepted += 1
+            group.group_id, group.trajectories = state.group_id, list(state.trajectories)
+            self._pending[group.group_id] = group
+            for i, done in enumerate(group.trajectories):
+                if done is not None:
+                    continue
+                snapshot = state.snapshots.get(i)
+                if snapshot is not None:
+                    self.stats.resumes += 1
+                else:
+                    snapshot = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
+                                          env_id=group.agent.env_id, timings={"submitted": time.time()})
+                self._spawn(group, i, snapshot)
+        return accepted
+
+    def replace_engine(self, index: int, engine: Any) -> None:
+        """Route to `engine`, a replacement for the engine at `index` (which failed)."""
+        self.router.replace(index, engine)
+
     async def drain(self) -> None:
         """Wait until no loop is running (finished, failed or snapshotted)."""
         while self._tasks:
@@ -166,7 +215,10 @@ class RolloutWorker:
         return groups
 
     def get_stats(self) -> WorkerStats:
+        kept = sum(sum(t.loss_mask) for g in self._pending.values() for t in g.trajectories if t is not None)
+        kept += sum(sum(s.trajectory.loss_mask) for _, _, s in self._snapshots)
         return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
+                       pending_tokens=kept, engine_failovers=self.router.failovers if self.router else 0,
                        failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
                        tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [])
@@ -202,15 +254,20 @@ class RolloutWorker:
 
     def _spawn(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         task = asyncio.get_running_loop().create_task(self._run_sample(group, index, start))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        for tasks in (self._tasks, self._sample_tasks):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
     async def _run_sample(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         done = await run_sample(group.agent, group.problem, self.inference(), self.sampling, start,
                                 self._interrupt, self._slots)
         if done.snapshot is not None:  # 3)
             self.stats.interruptions += 1
-            self._snapshots.append((group, index, done.snapshot))
+            if self._interrupt.is_set():
+                self._snapshots.append((group, index, done.snapshot))
+            else:  # not asked to stop: its engine failed (or was paused by someone else)
+                self.stats.resumes += 1
+                self._spawn(group, index, done.snapshot)
             return
         if done.failure is not None:  # 4)
             self._count(done.failure)

@@ -48,7 +48,8 @@ class WeightSync:
             refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, plan,
                                                         self.timeout_s))
             offset += n
-        ray.get(refs)
+        self.trainer.get(refs[:len(self.trainer.ranks)])
+        ray.get(refs[len(self.trainer.ranks):])
         self.connected = True
         seconds = time.monotonic() - t0
         logger.info("weight-sync group ready: %d members, %.1fs", self.world_size, seconds)
@@ -67,7 +68,7 @@ class WeightSync:
         sent_refs = self.trainer.broadcast_weights_async()
         received: list[WeightUpdateReport] = ray.get([e.update_weights.remote(version, pause_mode)
                                                       for e in self.engines])
-        ray.get(sent_refs)
+        self.trainer.get(sent_refs)
         t1 = time.monotonic()
         for i, r in enumerate(received):
             if r.checksums != sent.checksums:

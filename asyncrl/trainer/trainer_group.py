@@ -3,6 +3,10 @@
 Every rank gets every call with the same arguments (megatron ranks must act in step);
 each method returns rank 0's answer. The `*_async` methods return the ranks' refs, for
 calls that must overlap with calls to other actors (the weight broadcast).
+
+A rank whose process died raises `TrainerRankDied` as soon as it is seen (the other ranks
+may wait in a collective with it until trainer.dist_timeout_s); so does an error of a live
+rank while another rank is dead (its collective failed because of the dead one).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ import ray
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.types import TrajectoryGroup
 
+# After one rank's error, how long the others are given to show whether one of them died.
+RANK_ERROR_GRACE_S = 30.0
+
+
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's process is gone: the trainer must be restarted from a checkpoint."""
+
 
 class TrainerGroup:
     def __init__(self, ranks: list):
@@ -23,12 +34,34 @@ class TrainerGroup:
         self.world_size = len(ranks)
 
     def _call(self, method: str, *args: Any) -> Any:
-        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+        return self.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+
+    def get(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """The ranks' answers to one call; `TrainerRankDied` as soon as one rank is seen dead."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise TrainerRankDied(f"a trainer rank died: {_first_line(e)}") from None
+            except Exception as e:
+                # A live rank failed: because another rank died (their collective broke), or a bug.
+                for other in ray.wait(pending, num_returns=len(pending), timeout=RANK_ERROR_GRACE_S)[0]:
+                    try:
+                        ray.get(other)
+                    except ray.exceptions.RayActorError as died:
+                        raise TrainerRankDied(f"a trainer rank died: {_first_line(died)} "
+                                              f"(another: {_first_line(e)})") from None
+                    except Exception:  # the same failure on that rank
+                        pass
+                raise
+        return ray.get(refs)
 
     def setup(self) -> TrainerSetupInfo:
         """Form the trainer's process group (rank 0 hosts it) and load the model on every rank."""
         host, port = ray.get(self.ranks[0].address.remote())
-        return ray.get([r.setup.remote(host, port) for r in self.ranks])[0]
+        return self.get([r.setup.remote(host, port) for r in self.ranks])[0]
 
     def train_step(self, groups: list[TrajectoryGroup], policy_version: int) -> TrainStepResult:
         return self._call("train_step", groups, policy_version)
@@ -37,7 +70,11 @@ class TrainerGroup:
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 can host a process group (the weight-broadcast group)."""
-        return ray.get(self.ranks[0].address.remote())
+        return self.get([self.ranks[0].address.remote()])[0]
+
+    def check_alive(self) -> None:
+        """Raises `TrainerRankDied` if a rank's process is gone."""
+        self.get([r.address.remote() for r in self.ranks])
 
     def weight_plan(self) -> list:
         """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""
@@ -76,3 +113,8 @@ class TrainerGroup:
             pass
         for r in self.ranks:
             ray.kill(r)
+
+
+def _first_line(e: BaseException) -> str:
+    """Ray's errors carry the remote traceback after their first line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

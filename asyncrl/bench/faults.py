@@ -1,0 +1,165 @@
+"""`asyncrl bench faults`: one real training run that loses an engine's vLLM process, a rollout
+worker and a trainer rank (SIGKILL, from outside, as the kernel's OOM killer would), then is
+killed whole (the driver and every process it started) and resumed with
+`run.resume_from=latest`.
+
+    asyncrl bench faults recipe=arith bench.fault_steps=[3,5,8,11] trainer.total_steps=16
+
+The run is `asyncrl train` in a subprocess with 2 engines, 2 rollout workers and a checkpoint
+every `bench.checkpoint_every` steps (unless the overrides say otherwise). The bench watches its
+metrics.jsonl: once step `fault_steps[0]` is logged it kills one engine's vLLM engine core, at
+`fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, and at `fault_steps[3]`
+the whole run (the trainer step must come after a checkpoint, the whole-run kill too: a trainer
+restart goes back to the newest checkpoint). The processes are found by an environment tag that
+every process of the run inherits. Then it resumes the run in the same directory and lets it finish.
+
+Every figure is read from what the run wrote: faults.jsonl (each recovery, with its phases and
+seconds), summary.json (the ledger's counts at the end, "lost" being the running prompts that are
+neither queued nor in a worker; prompts trained twice, from the ordered list of trained prompts;
+accuracies) and metrics.jsonl (staleness per step; generated tokens, to measure the work lost
+to the whole-run kill: what the killed run generated after its last checkpoint, generated again
+after the resume). Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from asyncrl.bench.config import BenchConfig
+from asyncrl.config import Config
+from asyncrl.monitoring.run_log import read_metrics
+
+TAG_ENV = "ASYNCRL_FAULTS_BENCH"
+# The processes each fault kills, by what their command line shows.
+VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank"}
+KINDS = ("engine", "rollout_worker", "trainer", "run")
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """The live processes whose environment carries TAG_ENV=tag."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(TAG_ENV) == tag:
+                found.append(p)
+    return found
+
+
+def kill_all(tag: str) -> None:
+    for p in tagged(tag):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    deadline = time.monotonic() + 60
+    while tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def _kill_one(tag: str, kind: str) -> int:
+    """SIGKILL one process of this kind; returns its pid."""
+    for p in tagged(tag):
+        with contextlib.suppress(psutil.Error):
+            if VICTIMS[kind] in " ".join(p.cmdline()):
+                p.send_signal(signal.SIGKILL)
+                return p.pid
+    raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill")
+
+
+def _last_step(run_dir: Path) -> int:
+    steps = [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] if (run_dir / "metrics.jsonl").exists() \
+        else []
+    return max(steps, default=0)
+
+
+def _train_command(overrides: list[str], run_dir: Path, bench: BenchConfig, *extra: str) -> list[str]:
+    given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
+    defaults = {"engine.num_engines": "2", "rollout.num_workers": "2", "engine.num_cpus_per_engine": "0.5",
+                "trainer.checkpoint_every": str(bench.checkpoint_every), "logging.progress_bar": "false"}
+    return [sys.executable, "-m", "asyncrl.cli", "train", *overrides,
+            *[f"{k}={v}" for k, v in defaults.items() if k not in given], f"run.output_dir={run_dir}", *extra]
+
+
+def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
+    root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
+    run_dir = root / "run"
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.output_dir=")]
+    tag = f"faults-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, TAG_ENV: tag}
+    plan = dict(zip(KINDS, bench.fault_steps))
+    injected: dict[str, dict[str, Any]] = {}
+    logs = root / "train.log"
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(logs, "w") as log:
+            proc = subprocess.Popen(_train_command(overrides, run_dir, bench), stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+            for kind, step in plan.items():
+                while _last_step(run_dir) < step:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the run ended (status {proc.returncode}) before step {step}; see {logs}")
+                    time.sleep(0.5)
+                at = _last_step(run_dir)
+                if kind == "run":
+                    proc.kill()
+                    kill_all(tag)
+                    injected[kind] = {"step": at, "pid": proc.pid}
+                    break
+                injected[kind] = {"step": at, "pid": _kill_one(tag, kind)}
+                print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {at}", flush=True)
+            killed_at = time.monotonic()
+            status = proc.wait()
+            before_kill = read_metrics(run_dir)
+        if "run" not in injected:
+            raise RuntimeError(f"the run ended (status {status}) before the whole-run kill; see {logs}")
+        print(f"bench faults: killed the whole run after step {injected['run']['step']}; resuming", flush=True)
+        with open(logs, "a") as log:
+            resumed = subprocess.run(_train_command(overrides, run_dir, bench, "run.resume_from=latest"),
+                                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if resumed.returncode != 0:
+            raise RuntimeError(f"the resumed run failed (status {resumed.returncode}); see {logs}")
+        resume_s = time.monotonic() - killed_at
+    finally:
+        kill_all(tag)
+    return _figures(cfg, run_dir, injected, before_kill, resume_s)
+
+
+def _figures(cfg: Config, run_dir: Path, injected: dict[str, dict[str, Any]], before_kill: list[dict[str, Any]],
+             resume_s: float) -> dict[str, Any]:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = [json.loads(x) for x in (run_dir / "faults.jsonl").read_text().splitlines()]
+    recovered = {e["kind"] for e in events}
+    steps = [r for r in read_metrics(run_dir) if "train/staleness_max" in r]
+    eta = cfg.algorithm.max_staleness
+    # The killed run's generated tokens after its last checkpoint (the resumed run generates them again).
+    resumed_from = next(e["step"] for e in events if e["kind"] == "run")
+    totals = [r for r in before_kill if "rollout/generated_tokens" in r]
+    at_kill = totals[-1]["rollout/generated_tokens"] if totals else 0
+    at_ckpt = max((r["rollout/generated_tokens"] for r in totals if r["step"] == resumed_from), default=at_kill)
+    p = summary["prompts"]
+    return {
+        "bench": "faults", "recipe": cfg.recipe.name,
+        "faults_injected": len(injected), "faults_survived": len(recovered & set(injected)),
+        "prompts_lost": p["lost"] + (p["admitted"] - p["running"] - p["trained"] - p["filtered"] - p["failed"]),
+        "prompts_trained_twice": summary["prompts_trained_twice"],
+        "staleness_violations": sum(r["train/staleness_max"] > eta for r in steps),
+        "recovery_s": {e["kind"]: round(e["recovery_s"], 1) for e in events},
+        "resume_wall_s": round(resume_s, 1),
+        "base_accuracy": summary["base_accuracy"], "final_accuracy": summary["final_accuracy"],
+        "tokens_regenerated_after_resume": max(0, at_kill - at_ckpt),
+        "loops_resumed": {e["kind"]: e["loops_resumed"] for e in events if e["loops_resumed"]},
+        "prompts_restarted": {e["kind"]: e["prompts_restarted"] for e in events},
+        "duplicates_dropped": summary["duplicates_dropped"],
+        "steps": summary["steps"], "injected_after_step": {k: v["step"] for k, v in injected.items()},
+        "events": events, "run": str(run_dir),
+    }
