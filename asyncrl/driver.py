@@ -42,10 +42,10 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import latest_checkpoint
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
-from asyncrl.messages import EngineActivity, FaultEvent, PendingGroupState, QueueState, WorkerStats
+from asyncrl.messages import EngineActivity, FaultEvent, PendingGroupState, QueueState, WorkerStats, error_line
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
-from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.sync.weight_sync import EnginesFailed, WeightSync
 from asyncrl.trainer.batch import group_filter_reason
 from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
@@ -85,8 +85,9 @@ class Driver:
         self.step = 0
         self.samples = 0
         self.train_s = 0.0  # seconds in the training loop so far
-        self.engines: list = []
+        self.engines: list = []  # one per engine slot: the live engine, or its replacement while it starts
         self.routed: list = []  # the engine handles the workers route to (a replacement once it has weights)
+        self._starting: dict[int, tuple[ray.ObjectRef, FaultEvent, float]] = {}  # slot -> replacement's start
         self.workers: list = []
         self.queue = None
         self.trainer: TrainerGroup | None = None
@@ -208,7 +209,7 @@ class Driver:
         last_time, last_activity, last_rollout = self._last
         now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
         elapsed = now - last_time
-        engine_s = elapsed * len(self.engines)
+        engine_s = elapsed * len(self.live_engines())
         metrics.update({
             "policy/version": self.version, "batch/dropped_stale": dropped,
             "batch/duplicates_dropped": self.duplicates_dropped,
@@ -296,20 +297,24 @@ class Driver:
         """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops. An
         engine that dies meanwhile is replaced and the sync done again, with its replacement."""
         a = self.cfg.algorithm
+        self._check_health()  # a dead member would stall the broadcast
         if not a.partial_rollout:  # finish what is generating under the old weights first
             self._on_workers("drain")
         if a.pause_mode == "abort":
             self._on_workers("interrupt")
         try:
             timings = self.sync.sync(self.version + 1, a.pause_mode)
-        except TrainerRankDied:
-            raise
-        except Exception as e:
-            self.trainer.check_alive()  # a trainer rank that died fails its broadcast: that is the fault
-            if not self._check_health():
-                raise
-            logger.warning("weight sync to version %d failed (%s); again with the replacement engine(s)",
-                           self.version + 1, e)
+        except EnginesFailed as e:
+            self.trainer.check_alive()  # a dead trainer rank fails every engine's receive: that is the fault then
+            waiting = "left waiting in a broadcast that cannot complete"
+            slots = {self._slot_of(self.sync.engines[k]): why for k, why in
+                     [*e.failed.items(), *((k, waiting) for k in e.stuck)]}
+            for i, why in slots.items():
+                self._replace_engine(i, why)
+            self._reform_weight_group()
+            if not self.live_engines():
+                self._poll_starting(block=True)
+            logger.warning("%s; syncing again without engine(s) %s", e, sorted(slots))
             timings = self.sync.sync(self.version + 1, a.pause_mode)
         self.version += 1
         self._route_joined_engines()
@@ -318,12 +323,19 @@ class Driver:
             metrics["sync/resumed_loops"] = sum(self._on_workers("resume_interrupted"))
         return metrics
 
+    def _slot_of(self, engine: Any) -> int:
+        return next(i for i, e in enumerate(self.engines) if e is engine)
+
+    def live_engines(self) -> list:
+        """The engines serving now (replacements still starting left out)."""
+        return [e for i, e in enumerate(self.engines) if i not in self._starting]
+
     def _engine_activity(self) -> EngineActivity:
         try:
-            each = ray.get([e.activity.remote() for e in self.engines])
+            each = ray.get([e.activity.remote() for e in self.live_engines()])
         except ray.exceptions.RayActorError:
             self._check_health()
-            each = ray.get([e.activity.remote() for e in self.engines])
+            each = ray.get([e.activity.remote() for e in self.live_engines()])
         return EngineActivity(sum(a.busy_s for a in each), sum(a.request_s for a in each))
 
     def _rollout_metrics(self) -> dict[str, Any]:
@@ -372,7 +384,8 @@ class Driver:
         """Ask every engine and rollout worker whether it is alive (a hung one does not answer
         within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
         timeout = self.cfg.run.health_timeout_s
-        probes = [("engine", i, e.health.remote()) for i, e in enumerate(self.engines)]
+        self._poll_starting()
+        probes = [("engine", i, e.health.remote()) for i, e in enumerate(self.engines) if i not in self._starting]
         probes += [("rollout_worker", i, w.get_stats.remote()) for i, w in enumerate(self.workers)]
         ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
         dead = []
@@ -383,17 +396,18 @@ class Driver:
             try:
                 answer = ray.get(ref)
             except Exception as e:
-                dead.append((kind, i, _first_line(e)))
+                dead.append((kind, i, error_line(e)))
                 continue
             if kind == "rollout_worker":
                 self._last_stats[i] = answer
-        started = [self._replace_engine(i, why) for kind, i, why in dead if kind == "engine"]
-        if started:
-            t0 = time.monotonic()
-            self.sync.connect()  # a new broadcast group: the old one counted the dead engines' workers
-            for event in started:
-                event.phases_s["weight_group_s"] = time.monotonic() - t0
-                self._record(event)
+        engines = [i for kind, i, _ in dead if kind == "engine"]
+        for kind, i, why in dead:
+            if kind == "engine":
+                self._replace_engine(i, why)
+        if engines:
+            self._reform_weight_group()  # the old group counts the dead engines' workers: a broadcast would hang
+            if not self.live_engines():  # nothing can generate: wait for a replacement
+                self._poll_starting(block=True)
         for kind, i, why in dead:
             if kind == "rollout_worker":
                 self._replace_worker(i, why)
@@ -406,11 +420,10 @@ class Driver:
                                 f"={limit} reached")
         self.restarts[kind] += 1
 
-    def _replace_engine(self, i: int, why: str) -> FaultEvent:
-        """A new engine in the dead one's bundle (the caller forms a new broadcast group); the
-        workers route to it once a sync gave it the policy (`_route_joined_engines`)."""
+    def _replace_engine(self, i: int, why: str) -> None:
+        """Start a new engine in the dead one's bundle. The run goes on meanwhile (the dead one's
+        loops already moved to the live engines); `_poll_starting` takes it in once started."""
         self._count_restart("engine", self.cfg.run.max_engine_restarts, why)
-        event = FaultEvent("engine", f"engine-{i}", self.step, why)
         logger.warning("engine-%d failed: %s; starting a replacement", i, why)
         t0 = time.monotonic()
         try:  # what is left of its vLLM processes stops with it
@@ -418,17 +431,39 @@ class Driver:
         except Exception:  # dead, or hung
             pass
         _kill(self.engines[i])
-        engine = actors.create_engine(self.cfg, i, actors.slot(self.placement.engine, i),
-                                      restart=self.restarts["engine"])
-        ray.get(engine.start.remote())
-        self.engines[i] = engine
-        event.phases_s = {"start_engine_s": time.monotonic() - t0}
-        return event
+        self.engines[i] = actors.create_engine(self.cfg, i, actors.slot(self.placement.engine, i),
+                                               restart=self.restarts["engine"])
+        self._starting[i] = (self.engines[i].start.remote(), FaultEvent("engine", f"engine-{i}", self.step, why), t0)
+
+    def _poll_starting(self, block: bool = False) -> None:
+        """Take in the replacement engines that have started (with `block`, wait for one): a new
+        weight-broadcast group with them; the workers route to them once a sync gave them the policy."""
+        if not self._starting:
+            return
+        refs = {ref: i for i, (ref, _, _) in self._starting.items()}
+        ready, _ = ray.wait(list(refs), num_returns=1 if block else len(refs), timeout=None if block else 0)
+        for ref in ready:
+            i = refs[ref]
+            _, event, t0 = self._starting.pop(i)
+            try:
+                ray.get(ref)
+            except Exception as e:
+                raise TrainingError(f"engine-{i}'s replacement failed to start: {error_line(e)}") from None
+            event.phases_s["start_engine_s"] = time.monotonic() - t0
+            t1 = time.monotonic()
+            self._reform_weight_group()
+            event.phases_s["weight_group_s"] = time.monotonic() - t1
+            self._record(event)
+
+    def _reform_weight_group(self) -> None:
+        """A new broadcast group of the trainer and the live engines."""
+        self.sync.engines = self.live_engines()
+        self.sync.connect()
 
     def _route_joined_engines(self) -> None:
         """After a sync every engine holds the policy: replacements join the workers' routing."""
         for i, engine in enumerate(self.engines):
-            if self.routed[i] is not engine:
+            if self.routed[i] is not engine and i not in self._starting:
                 self.routed[i] = engine
                 self._on_workers("replace_engine", per_worker=[(i, engine)] * len(self.workers))
                 logger.info("engine-%d's replacement holds version %d: routed to", i, self.version)
@@ -486,7 +521,7 @@ class Driver:
         self.workers = actors.create_rollout_workers(self.cfg, self.routed, self.queue, self.placement.worker,
                                                      restart=self.restarts["rollout_worker"] + n)
         self._last_stats.clear()
-        self.sync = actors.create_weight_sync(self.cfg, self.trainer, self.engines)
+        self.sync = actors.create_weight_sync(self.cfg, self.trainer, self.live_engines())
         self.sync.connect()
         t2 = time.monotonic()
         lost_steps = self.step - int(path.name.removeprefix("step_"))
@@ -517,10 +552,11 @@ class Driver:
         stop their loops, the engines pause (abort: requests return what they generated), the
         workers hand over their unfinished groups, the queue its groups; then all go on."""
         self._on_workers("interrupt")
-        ray.get([e.pause.remote("abort") for e in self.engines])
+        engines = self.live_engines()
+        ray.get([e.pause.remote("abort") for e in engines])
         pending = [g for groups in self._on_workers("checkpoint") for g in groups]
         queue_state: QueueState = ray.get(self.queue.state.remote())
-        ray.get([e.resume.remote() for e in self.engines])
+        ray.get([e.resume.remote() for e in engines])
         self._on_workers("resume_interrupted")
         return pending, queue_state
 
@@ -582,6 +618,8 @@ class Driver:
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
+        while self._starting:  # a replacement engine still starting: the run ends with it in
+            self._poll_starting(block=True)
         self.final_eval = self._evaluate(with_pass_k=True)
         self.log.log(self.step, self._eval_metrics(self.final_eval))
         export = self.trainer.export_hf(str(self.run_dir / "final_policy"))
@@ -634,7 +672,7 @@ class Driver:
             try:
                 ray.get(e.shutdown.remote(), timeout=60)
             except Exception as err:  # a dead engine cannot shut down; it is killed below
-                logger.warning("engine shutdown: %s", _first_line(err))
+                logger.warning("engine shutdown: %s", error_line(err))
         if self.trainer is not None:
             self.trainer.shutdown()
         for actor in [*self.engines, *([self.queue] if self.queue else [])]:
@@ -650,10 +688,6 @@ def _kill(actor: Any) -> None:
     except Exception:  # already gone
         pass
 
-
-def _first_line(e: BaseException) -> str:
-    """Ray's errors carry the remote traceback after their first line."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def tool_call_validity(rollout: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:

@@ -9,6 +9,7 @@ Nothing here knows vLLM, Megatron or Ray.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,6 +30,16 @@ class Failure:
 
     def __str__(self) -> str:
         return f"{self.code}: {self.detail}" if self.detail else self.code
+
+
+def error_line(e: BaseException) -> str:
+    """What went wrong, in one line: a remote error's cause (Ray's own message starts with the
+    actor's address and carries the remote traceback)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    return f"{type(e).__name__}: {(text.splitlines() or [''])[0]}"
 
 
 # -- engine -----------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""The request channel (asyncrl/inference/channel.py) over real loopback TCP. The engine's side
-answers with a small generate function here; tests/test_agents_vllm.py, test_engine_vllm.py and
+"""The request channel (asyncrl/inference/channel.py) and a worker's engine router over real
+loopback TCP. The engine's side answers with a small generate function here;
+tests/test_agents_vllm.py, test_engine_vllm.py and
 the training runs send every agent loop's requests through it to real vLLM engines."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from asyncrl.inference.channel import ChannelAddress, ChannelServer, EngineChannel
+from asyncrl.rollout.router import EngineRouter
 from asyncrl.types import GenerationResult, SamplingSpec
 
 SAMPLING = SamplingSpec(max_new_tokens=4, temperature=0.5, top_p=0.9, stop=["\n"], ignore_eos=True)
@@ -164,3 +167,48 @@ def test_one_channel_serves_one_event_loop_after_another():
         assert asyncio.run(channel.generate([1, i], SAMPLING, f"run{i}")).token_ids == [2, i + 1]
     engine["loop"].call_soon_threadsafe(engine["stop"].set)
     thread.join(10)
+
+
+class Handle:
+    """Stands in for an EngineActor's Ray handle: `open_channel.remote()` gives the address."""
+
+    def __init__(self, address: ChannelAddress):
+        self.open_channel = SimpleNamespace(remote=lambda: asyncio.sleep(0, address))
+
+
+def test_the_router_moves_requests_off_an_engine_that_fails_and_takes_its_replacement():
+    """A request in flight on an engine that goes away returns as aborted with no tokens (its
+    loop snapshots and continues); nothing more is routed there; with every engine failed a
+    request waits for the driver's replacement."""
+    async def main():
+        engines = [Engine(), Engine()]
+        served = [await _serve(e) for e in engines]
+        router = EngineRouter([Handle(address) for _, address in served])
+        stuck = router.client()
+        assert stuck.index == 0
+        waiting = asyncio.create_task(stuck.agenerate([-2], SAMPLING, "stuck"))
+        while not engines[0].received:
+            await asyncio.sleep(0.01)
+        served[0][0].close()  # engine-0 dies with the request in flight
+        result = await asyncio.wait_for(waiting, 5)
+        assert (result.token_ids, result.finish_reason) == ([], "abort") and result.interrupted
+        assert list(router.failed) == [0] and router.failovers == 1
+        assert [router.client().index for _ in range(3)] == [1, 1, 1]  # routed around it
+        assert (await stuck.agenerate([1], SAMPLING, "moved")).token_ids == [2]  # its client moves too
+        assert stuck.index == 1 and engines[1].received[-1][2] == "moved"
+
+        served[1][0].close()  # now every engine is gone: requests wait for a replacement
+        assert (await router.client().agenerate([1], SAMPLING, "lost")).interrupted
+        pending = asyncio.create_task(router.client().agenerate([3], SAMPLING, "waits"))
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        replacement = Engine()
+        server, address = await _serve(replacement)
+        router.replace(0, Handle(address))
+        assert (await asyncio.wait_for(pending, 5)).token_ids == [4]
+        assert [r[2] for r in replacement.received] == ["waits"] and 0 not in router.failed
+        for channel in router.channels:
+            channel.close()
+        server.close()
+
+    asyncio.run(main())

@@ -131,6 +131,9 @@ def test_presets_set_what_they_promise(base_model):
 
 @pytest.mark.parametrize("override,expected", [
     ("algorithm.max_staleness=-1", ["algorithm.max_staleness=-1", ">= 0"]),
+    ("run.max_trainer_restarts=-1", ["run.max_trainer_restarts=-1", ">= 0"]),
+    ("run.health_timeout_s=0", ["run.health_timeout_s=0.0", "seconds in (0,"]),
+    ("run.resume_from=latest", ["run.resume_from=latest: no checkpoint in run.output_dir=''"]),
     ("engine.backend=sglang", ["engine.backend='sglang'", "must be one of vllm"]),
     ("trainer.backend=fsdp", ["trainer.backend='fsdp'", "megatron"]),
     ("trainer.mini_batches_per_step=300", ["trainer.mini_batches_per_step=300", "must be in [1, 256]"]),

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from pathlib import Path
 
 import pytest
 import ray
 
-from asyncrl.messages import Failure
+from asyncrl.messages import Failure, PendingGroupState
 from asyncrl.recipe_hooks import load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource, score_answer
+from asyncrl.types import SamplingSpec
 from tests.conftest import BASE_MODEL
 from tests.test_rollout_worker_logic import with_reward
 
@@ -132,3 +134,51 @@ def test_interrupted_loops_are_snapshotted_and_resumed(cfg, engines, problems):
             assert t.info["num_interruptions"] == 1 and t.num_response_tokens > 0
     stats = worker.get_stats()
     assert stats.interruptions == 16 and stats.resumes == 16
+
+
+def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked_greedy(cfg, engines, problems):
+    """Exact resume on real engines: the loops are stopped mid-generation the way a checkpoint
+    stops them (worker interrupted, engines paused with abort), handed over as JSON, and a new
+    worker continues them. Greedy, the tokens equal an uninterrupted run's, and the new worker
+    asks the engines only for what the snapshots lacked."""
+    greedy = SamplingSpec(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    few = problems[:2]
+
+    async def interrupted() -> tuple[list[PendingGroupState], list]:
+        first = RolloutWorker(0, cfg, engines, sampling=greedy)
+        await first.submit(few, n=2)
+        while sum(ray.get([e.num_outstanding.remote() for e in engines])) < 4:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # some tokens in
+        await first.interrupt()
+        await asyncio.gather(*[e.pause.remote("abort") for e in engines])
+        try:
+            states = await first.checkpoint()
+        finally:
+            await asyncio.gather(*[e.resume.remote() for e in engines])
+        saved = json.loads(json.dumps([s.to_dict() for s in states]))
+        second = RolloutWorker(1, cfg, engines, sampling=greedy)
+        restored = [PendingGroupState.from_dict(d) for d in saved]
+        by_id = {p.prompt_id: p for p in few}
+        assert await second.restore(restored, [by_id[s.prompt_id] for s in restored]) == len(few)
+        await second.drain()
+        return states, second.take_groups()
+
+    async def uninterrupted() -> list:
+        worker = RolloutWorker(2, cfg, engines, sampling=greedy)
+        await worker.submit(few, n=2)
+        await worker.drain()
+        return worker.take_groups()
+
+    states, resumed = asyncio.run(interrupted())
+    kept = sum(len(s.trajectory.response_token_ids) for state in states for s in state.snapshots.values())
+    assert sum(len(state.snapshots) for state in states) == 4 and 0 < kept < 4 * 64  # stopped mid-generation
+    reference = {g.prompt_id: g for g in asyncio.run(uninterrupted())}
+    assert sorted(g.prompt_id for g in resumed) == sorted(reference)
+    for g in resumed:
+        expected = reference[g.prompt_id].trajectories[0].response_token_ids
+        assert all(t.response_token_ids == expected and t.info["num_interruptions"] == 1 for t in g.trajectories)
+    snapshots = {s.trajectory.group_id: s for state in states for s in state.snapshots.values()}
+    for g in resumed:  # each continued its snapshot: the tokens it had are the prefix of what it has
+        prefix = snapshots[g.group_id].trajectory.response_token_ids
+        assert all(t.response_token_ids[:len(prefix)] == prefix for t in g.trajectories)

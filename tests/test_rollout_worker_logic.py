@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ from asyncrl.agents.registry import agent_params, build_agents
 from asyncrl.agents.remote import RemoteAgent
 from asyncrl.config.schema import AgentConfig
 from asyncrl.driver import tool_call_validity
-from asyncrl.messages import Failure, WorkerStats
+from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.run_config import load_config
@@ -322,3 +323,78 @@ def test_the_share_of_valid_tool_calls_is_that_of_the_calls_finished_in_the_step
     assert tool_call_validity(now, before) == {"rollout/tool_call_validity": 1 - 2 / 4}
     assert tool_call_validity(now, {}) == {"rollout/tool_call_validity": 1 - 4 / 10}  # the first step
     assert tool_call_validity(before, before) == {}  # no call finished: no share
+
+
+def test_a_checkpoint_holds_each_unfinished_group_and_another_worker_continues_it(cfg, problems):
+    """Interrupted mid-generation: one sample finished, three aborted after "Answer". The
+    checkpoint (through JSON, as it is written) restored in a new worker keeps the finished
+    sample and asks the engine only for what each snapshot had not generated."""
+    async def scenario():
+        first, holder = make_worker(cfg)
+        sync = asyncio.Event()
+        problem = problems[0]
+
+        def reply(request):  # the first request finishes; the others are aborted by the sync
+            if len(holder.engine.requests) == 1:
+                return Reply(f"Answer: {problem.answer}")
+            return Reply("Answer", "abort", hold=sync)
+
+        holder.engine = ScriptedInference(reply, first.tokenizer)
+        await first.submit([problem], n=4)
+        await holder.engine.wait_for_requests(4)
+        await first.interrupt()
+        sync.set()  # the engines pause in abort mode
+        states = await first.checkpoint()
+        assert first.get_stats().pending_tokens == states[0].generated_tokens() > 0
+        saved = json.loads(json.dumps([s.to_dict() for s in states]))
+
+        second, holder2 = make_worker(cfg, sink=Sink())
+        holder2.engine = ScriptedInference(lambda request: Reply(f": {problem.answer}"), second.tokenizer)
+        restored = [PendingGroupState.from_dict(d) for d in saved]
+        assert await second.restore(restored, [problem]) == 1
+        await second.drain()
+        return states, second, holder2.engine
+
+    states, second, engine = asyncio.run(scenario())
+    (state,) = states
+    assert sum(t is not None for t in state.trajectories) == 1 and sorted(state.snapshots) == [1, 2, 3]
+    assert all(s.trajectory.response_token_ids == second.tokenizer.encode("Answer") for s in state.snapshots.values())
+    (group,) = second.sink.groups
+    assert group.group_id == state.group_id and len(group.trajectories) == 4
+    assert all(t.info["response"] == f"Answer: {problems[0].answer}" and t.reward == 1.0 for t in group.trajectories)
+    assert len(engine.requests) == 3  # the three snapshots, each asking for the rest of its budget only
+    for request in engine.requests:
+        assert second.tokenizer.decode(request.prompt_token_ids).endswith("=\nAnswer")
+        assert request.max_new_tokens == cfg.rollout.max_new_tokens - 6
+    assert second.get_stats().resumes == 3
+
+
+def test_checkpoint_refuses_while_loops_run(cfg):
+    worker, _ = make_worker(cfg)
+    with pytest.raises(RuntimeError, match="interrupt"):
+        asyncio.run(worker.checkpoint())
+
+
+def test_a_loop_aborted_while_the_worker_is_not_interrupted_goes_on_at_once(cfg, problems):
+    """An engine that fails ends its requests as aborted (the router's failover): the loop keeps
+    its tokens and continues at once, without waiting for a weight sync's resume."""
+    async def scenario():
+        worker, holder = make_worker(cfg, sink=Sink())
+        problem = problems[0]
+        first = worker.tokenizer.encode(problem.prompt)
+
+        def reply(request):
+            if request.prompt_token_ids == first:
+                return Reply("Answer", "abort")
+            return Reply(f": {problem.answer}")
+
+        holder.engine = ScriptedInference(reply, worker.tokenizer)
+        await worker.submit([problem], n=2)
+        await worker.drain()
+        return worker
+
+    worker = asyncio.run(scenario())
+    (group,) = worker.sink.groups
+    assert all(t.info["response"] == f"Answer: {problems[0].answer}" for t in group.trajectories)
+    stats = worker.get_stats()
+    assert (stats.interruptions, stats.resumes, stats.snapshots) == (2, 2, 0)

@@ -10,8 +10,10 @@ every `bench.checkpoint_every` steps (unless the overrides say otherwise). The b
 metrics.jsonl: once step `fault_steps[0]` is logged it kills one engine's vLLM engine core, at
 `fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, and at `fault_steps[3]`
 the whole run (the trainer step must come after a checkpoint, the whole-run kill too: a trainer
-restart goes back to the newest checkpoint). The processes are found by an environment tag that
-every process of the run inherits. Then it resumes the run in the same directory and lets it finish.
+restart goes back to the newest checkpoint). A rollout worker's or trainer's fault is recovered
+from before the next fault is injected; an engine's replacement starts while the run goes on, and
+the whole-run kill waits for it. The processes are found by an environment tag that every process
+of the run inherits. Then the bench resumes the run in the same directory and lets it finish.
 
 Every figure is read from what the run wrote: faults.jsonl (each recovery, with its phases and
 seconds), summary.json (the ledger's counts at the end, "lost" being the running prompts that are
@@ -80,6 +82,19 @@ def _last_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def _check_running(proc: subprocess.Popen, when: str, logs: Path) -> None:
+    if proc.poll() is not None:
+        raise RuntimeError(f"the run ended (status {proc.returncode}) {when}; see {logs} "
+                           "(too few trainer.total_steps for the faults and their recoveries?)")
+
+
+def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    """The run's recoveries of this kind so far (faults.jsonl)."""
+    path = run_dir / "faults.jsonl"
+    events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in events if e["kind"] == kind]
+
+
 def _train_command(overrides: list[str], run_dir: Path, bench: BenchConfig, *extra: str) -> list[str]:
     given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
     defaults = {"engine.num_engines": "2", "rollout.num_workers": "2", "engine.num_cpus_per_engine": "0.5",
@@ -106,17 +121,24 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                                     env=env, start_new_session=True)
             for kind, step in plan.items():
                 while _last_step(run_dir) < step:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"the run ended (status {proc.returncode}) before step {step}; see {logs}")
+                    _check_running(proc, f"before step {step}", logs)
                     time.sleep(0.5)
-                at = _last_step(run_dir)
-                if kind == "run":
+                if kind == "run":  # the faults before it recovered (an engine starts while the run goes on)
+                    for earlier, seen in injected.items():
+                        while len(_events(run_dir, earlier)) == seen["recoveries_before"]:
+                            _check_running(proc, f"before the {earlier} fault was recovered from", logs)
+                            time.sleep(0.5)
+                    injected[kind] = {"step": _last_step(run_dir), "pid": proc.pid}
                     proc.kill()
                     kill_all(tag)
-                    injected[kind] = {"step": at, "pid": proc.pid}
                     break
-                injected[kind] = {"step": at, "pid": _kill_one(tag, kind)}
-                print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {at}", flush=True)
+                seen = len(_events(run_dir, kind))
+                injected[kind] = {"step": _last_step(run_dir), "pid": _kill_one(tag, kind), "recoveries_before": seen}
+                print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
+                      flush=True)
+                while kind != "engine" and len(_events(run_dir, kind)) == seen:  # the driver waits for these
+                    _check_running(proc, f"after the {kind} fault", logs)
+                    time.sleep(0.5)
             killed_at = time.monotonic()
             status = proc.wait()
             before_kill = read_metrics(run_dir)
@@ -161,5 +183,5 @@ def _figures(cfg: Config, run_dir: Path, injected: dict[str, dict[str, Any]], be
         "prompts_restarted": {e["kind"]: e["prompts_restarted"] for e in events},
         "duplicates_dropped": summary["duplicates_dropped"],
         "steps": summary["steps"], "injected_after_step": {k: v["step"] for k, v in injected.items()},
-        "events": events, "run": str(run_dir),
+        "run": str(run_dir),
     }

@@ -38,7 +38,9 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import safetensors.torch
@@ -54,11 +56,14 @@ from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import GenerationResult, SamplingSpec
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PAUSE_MODES = ("abort", "keep")
 # An aborted request delivers its final output within milliseconds; one still outstanding
 # after this long is queued behind the pause inside vLLM and is aborted by the actor.
 ABORT_GRACE_S = 0.1
+# How often a health check waiting on the engine core looks whether the core died.
+HEALTH_POLL_S = 0.5
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
 _TIED_OPTIONAL = {"lm_head.weight"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -153,16 +158,27 @@ class EngineActor:
         """Seconds a round trip through the engine core takes; raises `EngineFailed` once vLLM
         died. A core that hangs never answers: the caller bounds the wait."""
         t0 = time.monotonic()
-        if not self._failed and self._llm is not None and self._llm.errored:
-            self._fail("vLLM's engine core is dead")
+        if not self._failed:
+            await self._watched(self._llm.collective_rpc("asyncrl_parent_pid"))
         if self._failed:
             raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
-        try:
-            await self._llm.collective_rpc("asyncrl_parent_pid")
-        except engine_dead_error() as e:
-            self._fail(f"vLLM's engine core is dead ({type(e).__name__})")
-            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
         return time.monotonic() - t0
+
+    async def _watched(self, call: Awaitable[T]) -> T:
+        """Await a call into vLLM's engine core. One in flight when the core dies is never
+        answered, so the core's death ends the wait too: `EngineFailed`."""
+        future = asyncio.ensure_future(call)
+        while not future.done():
+            await asyncio.wait([future], timeout=HEALTH_POLL_S)
+            if not future.done() and (self._failed or self._llm.errored):
+                future.cancel()
+                self._fail("vLLM's engine core died")
+                raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
+        try:
+            return future.result()
+        except engine_dead_error():
+            self._fail("vLLM's engine core died")
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
 
     def _fail(self, reason: str) -> None:
         """vLLM cannot serve again: close the request channel (the workers' requests in flight end
@@ -248,12 +264,12 @@ class EngineActor:
         """Stop generating. `abort`: in-flight requests end now and return what they have;
         `keep`: they wait inside vLLM and continue after `resume()`. Returns seconds taken."""
         t0 = time.monotonic()
-        await self._pause_core(mode)
+        await self._watched(self._pause_core(mode))
         await self._drain_aborted(mode, t0)
         return time.monotonic() - t0
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        await self._watched(self._llm.resume_generation())
         self._accepting.set()
 
     def _pause_core(self, mode: str) -> asyncio.Future:
@@ -288,7 +304,7 @@ class EngineActor:
         t0 = time.monotonic()
         # safetensors bytes cross vLLM's RPC exactly (its msgpack encoder mangles nested tensors).
         blob = safetensors.torch.save(self._checked(state_dict))
-        await self._llm.collective_rpc("asyncrl_load_weights", args=(blob,))
+        await self._watched(self._llm.collective_rpc("asyncrl_load_weights", args=(blob,)))
         self.version = version
         return time.monotonic() - t0
 
@@ -305,8 +321,8 @@ class EngineActor:
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
         self._check_specs(specs)
-        await self._llm.collective_rpc("asyncrl_init_weight_group",
-                                       args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s))
+        await self._watched(self._llm.collective_rpc(
+            "asyncrl_init_weight_group", args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s)))
         self._joined = True
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:
@@ -324,9 +340,9 @@ class EngineActor:
         t0 = time.monotonic()
         pause = self._pause_core(pause_mode)
         if not (pause_mode == "abort" and self._pause_is_immediate):
-            await pause
+            await self._watched(pause)
         receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
-        await pause
+        await self._watched(pause)
         await self._drain_aborted(pause_mode, t0)
         t1 = time.monotonic()
         if pause_mode == "abort":
@@ -334,15 +350,15 @@ class EngineActor:
             # _accepting is set, so the core may resume at once: its resume goes behind the
             # receive instead of after its reply. If the receive fails, this actor stays paused.
             resume = asyncio.ensure_future(self._llm.resume_generation())
-            results = await receive
+            results = await self._watched(receive)
             t2 = time.monotonic()
-            await resume
+            await self._watched(resume)
             self.version = version
             self._accepting.set()
         else:
             # `keep`: the frozen requests go on at the core's resume, and their tokens must
             # arrive stamped with the new version: resume only once it is set.
-            results = await receive
+            results = await self._watched(receive)
             t2 = time.monotonic()
             self.version = version
             await self.resume()

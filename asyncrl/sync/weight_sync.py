@@ -6,6 +6,11 @@ trainer's bucket plan against its model. `WeightSync.sync(version)` then has the
 export and pack its weights while the engines still generate, has every engine pause,
 receive the broadcast, load it and resume (one call each), times each phase, and checks
 that every engine received exactly the bytes the trainer sent (per-tensor checksums).
+
+An engine that fails during the exchange fails the sync with `EnginesFailed`, which names it
+and the engines still waiting for bytes after SYNC_FAILURE_GRACE_S: a collective whose member
+died does not complete (gloo's root stops sending at the dead member; the others wait until the
+group's timeout), so the caller replaces those too and syncs again without them.
 """
 
 from __future__ import annotations
@@ -15,10 +20,22 @@ import time
 
 import ray
 
-from asyncrl.messages import SyncTimings, WeightUpdateReport
+from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
 from asyncrl.sync.collective import BucketPlan
 
 logger = logging.getLogger(__name__)
+
+# After an engine failed mid-sync, how long the others get to finish before they count as stuck.
+SYNC_FAILURE_GRACE_S = 10.0
+
+
+class EnginesFailed(RuntimeError):
+    """Engines (indices into `WeightSync.engines`) that failed during a sync, and those left
+    waiting for a broadcast that will not complete."""
+
+    def __init__(self, version: int, failed: dict[int, str], stuck: list[int]):
+        self.failed, self.stuck = failed, stuck
+        super().__init__(f"weight sync to version {version}: engine(s) failed {failed}, left waiting {stuck}")
 
 
 class WeightSync:
@@ -66,8 +83,7 @@ class WeightSync:
         t0 = time.monotonic()
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.broadcast_weights_async()
-        received: list[WeightUpdateReport] = ray.get([e.update_weights.remote(version, pause_mode)
-                                                      for e in self.engines])
+        received = self._updates([e.update_weights.remote(version, pause_mode) for e in self.engines], version)
         self.trainer.get(sent_refs)
         t1 = time.monotonic()
         for i, r in enumerate(received):
@@ -82,3 +98,19 @@ class WeightSync:
             load_paths=[r.load_path for r in received], in_place_bytes=[r.in_place_bytes for r in received])
         logger.debug("weight sync -> version %d: %s", version, timings)
         return timings
+
+    def _updates(self, refs: list[ray.ObjectRef], version: int) -> list[WeightUpdateReport]:
+        """Every engine's report; `EnginesFailed` if one failed (and which ones are left waiting)."""
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending, failed = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=SYNC_FAILURE_GRACE_S if failed else None)
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                failed[index[ready[0]]] = error_line(e)
+        if failed:
+            raise EnginesFailed(version, failed, sorted(index[r] for r in pending))
+        return ray.get(refs)

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
+from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult, error_line
 from asyncrl.types import TrajectoryGroup
 
 # After one rank's error, how long the others are given to show whether one of them died.
@@ -44,15 +44,15 @@ class TrainerGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
-                raise TrainerRankDied(f"a trainer rank died: {_first_line(e)}") from None
+                raise TrainerRankDied(f"a trainer rank died: {error_line(e)}") from None
             except Exception as e:
                 # A live rank failed: because another rank died (their collective broke), or a bug.
                 for other in ray.wait(pending, num_returns=len(pending), timeout=RANK_ERROR_GRACE_S)[0]:
                     try:
                         ray.get(other)
                     except ray.exceptions.RayActorError as died:
-                        raise TrainerRankDied(f"a trainer rank died: {_first_line(died)} "
-                                              f"(another: {_first_line(e)})") from None
+                        raise TrainerRankDied(f"a trainer rank died: {error_line(died)} "
+                                              f"(another: {error_line(e)})") from None
                     except Exception:  # the same failure on that rank
                         pass
                 raise
@@ -113,8 +113,3 @@ class TrainerGroup:
             pass
         for r in self.ranks:
             ray.kill(r)
-
-
-def _first_line(e: BaseException) -> str:
-    """Ray's errors carry the remote traceback after their first line."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]

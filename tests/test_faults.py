@@ -1,0 +1,65 @@
+"""How the driver tells a fault from a bug: a trainer rank whose process died, as TrainerGroup
+sees it (real Ray actors standing in for the ranks). The faults themselves, on the real stack
+(an engine's vLLM process, a rollout worker and a trainer rank killed, a run killed whole and
+resumed), are `asyncrl bench faults`, run by tests/test_bench.py."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+
+from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
+
+
+class Rank:
+    """A trainer rank's stand-in: `step(mode)` answers, raises (a bug), dies after a moment, or
+    raises at once as a rank does whose collective broke because its peer is dying."""
+
+    def address(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def step(self, mode: str) -> str:
+        if mode == "die":
+            time.sleep(0.5)
+            os._exit(1)
+        if mode == "peer_died":
+            raise ConnectionError("gloo: connection closed by peer")
+        if mode == "bug":
+            raise ValueError("shapes do not match")
+        return "ok"
+
+
+@pytest.fixture
+def ranks(ray_cluster):
+    handles = [ray.remote(Rank).remote() for _ in range(2)]
+    yield handles
+    for h in handles:
+        ray.kill(h)
+
+
+def test_a_dead_rank_is_a_fault_and_a_raising_rank_is_an_error(ranks):
+    group = TrainerGroup(ranks)
+    assert group.get([r.step.remote("ok") for r in ranks]) == ["ok", "ok"]
+    with pytest.raises(ValueError, match="shapes do not match"):  # every rank alive: a bug, raised as it is
+        group.get([r.step.remote(m) for r, m in zip(ranks, ["bug", "ok"])])
+    # Rank 1's error comes first, yet the cause is rank 0's death, seen within the grace period.
+    with pytest.raises(TrainerRankDied, match="another: ConnectionError: gloo: connection closed by peer"):
+        group.get([r.step.remote(m) for r, m in zip(ranks, ["die", "peer_died"])])
+    with pytest.raises(TrainerRankDied):
+        group.check_alive()
+
+
+def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
+    from asyncrl.driver import Driver, TrainingError
+    from asyncrl.run_config import load_config
+
+    driver = Driver(load_config(["run.max_worker_restarts=1"]), tmp_path)  # no actor is started
+    driver._count_restart("rollout_worker", 1, "ActorDiedError: killed")
+    with pytest.raises(TrainingError) as e:
+        driver._count_restart("rollout_worker", 1, "ActorDiedError: killed again")
+    assert str(e.value) == ("rollout worker failed (ActorDiedError: killed again) after 1 replacement(s): "
+                            "run.max_worker_restarts=1 reached")
+    assert driver.restarts == {"rollout_worker": 1}
