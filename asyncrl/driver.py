@@ -106,7 +106,8 @@ class Driver:
         self.duplicates_dropped = 0  # groups of prompts already finished (a dead worker's late put)
         self._last_stats: dict[int, WorkerStats] = {}  # each worker's latest report
         self._retired_stats: list[WorkerStats] = []  # the last reports of replaced workers (their counts go on)
-        self._last: tuple[float, EngineActivity, dict[str, Any]] | None = None  # the previous step's clocks
+        # The previous step's clocks: time, each live engine's activity totals, rollout totals.
+        self._last: tuple[float, dict[Any, EngineActivity], dict[str, Any]] | None = None
 
     # == setup =========================================================================
 
@@ -209,15 +210,18 @@ class Driver:
         last_time, last_activity, last_rollout = self._last
         now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
         elapsed = now - last_time
-        engine_s = elapsed * len(self.live_engines())
+        # Over the engines live at both ends of the step (a replacement's totals start at 0).
+        both = [e for e in activity if e in last_activity]
+        busy = sum(activity[e].busy_s - last_activity[e].busy_s for e in both)
+        request_s = sum(activity[e].request_s - last_activity[e].request_s for e in both)
+        engine_s = elapsed * max(1, len(both))
         metrics.update({
             "policy/version": self.version, "batch/dropped_stale": dropped,
             "batch/duplicates_dropped": self.duplicates_dropped,
             "throughput/samples_per_s": step_samples / elapsed,
             "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
-            "idle/engines": 1 - min(1.0, max(0.0, activity.busy_s - last_activity.busy_s) / engine_s),
-            "util/engines": min(1.0, max(0.0, activity.request_s - last_activity.request_s)
-                                / (engine_s * actors.engine_concurrency(cfg))),
+            "idle/engines": 1 - min(1.0, busy / engine_s),
+            "util/engines": min(1.0, request_s / (engine_s * actors.engine_concurrency(cfg))),
             "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
             **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
             **self._fault_metrics(),
@@ -330,13 +334,16 @@ class Driver:
         """The engines serving now (replacements still starting left out)."""
         return [e for i, e in enumerate(self.engines) if i not in self._starting]
 
-    def _engine_activity(self) -> EngineActivity:
+    def _engine_activity(self) -> dict[Any, EngineActivity]:
+        """Each live engine's activity totals, by its handle."""
         try:
-            each = ray.get([e.activity.remote() for e in self.live_engines()])
+            engines = self.live_engines()
+            each = ray.get([e.activity.remote() for e in engines])
         except ray.exceptions.RayActorError:
             self._check_health()
-            each = ray.get([e.activity.remote() for e in self.live_engines()])
-        return EngineActivity(sum(a.busy_s for a in each), sum(a.request_s for a in each))
+            engines = self.live_engines()
+            each = ray.get([e.activity.remote() for e in engines])
+        return dict(zip(engines, each))
 
     def _rollout_metrics(self) -> dict[str, Any]:
         stats = self._worker_stats()
@@ -524,11 +531,11 @@ class Driver:
         self.sync = actors.create_weight_sync(self.cfg, self.trainer, self.live_engines())
         self.sync.connect()
         t2 = time.monotonic()
-        lost_steps = self.step - int(path.name.removeprefix("step_"))
+        failed_at = self.step
         event.loops_resumed, event.prompts_restarted, _ = self._load_checkpoint(path)
         event.phases_s = {"start_trainer_s": t1 - t0, "workers_and_weight_group_s": t2 - t1,
                           "load_checkpoint_s": time.monotonic() - t2}
-        logger.warning("trainer restarted: back at step %d (%d step(s) trained again)", self.step, lost_steps)
+        logger.warning("trainer restarted: back at step %d from step %d", self.step, failed_at)
         self._record(event)
 
     def _record(self, event: FaultEvent) -> None:
