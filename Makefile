@@ -44,6 +44,7 @@ bench: venv base-model
 		| tee build/bench/weight_sync_plain.log
 	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=90 bench.repeats=2 \
 		eval.num_problems=200 eval.n_samples=2 "eval.pass_k=[1,2]" | tee build/bench/sync_vs_async.log
+	$(BIN)/asyncrl bench faults recipe=arith trainer.total_steps=30 | tee build/bench/faults.log
 	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
 
 lint: venv

@@ -51,6 +51,9 @@ from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 logger = logging.getLogger(__name__)
 
+# While the trainer waits for groups, the engines' and workers' health is checked this often.
+WAIT_SLICE_S = 10.0
+
 
 class TrainingError(RuntimeError):
     """A run that cannot go on (an actor died, an invariant broke); the message says why."""
@@ -240,13 +243,18 @@ class Driver:
         running (a dead worker's group that reached the queue after its prompt was restarted)."""
         b = self.cfg.algorithm.prompts_per_step
         timeout = self.cfg.trainer.dist_timeout_s
-        try:
-            groups = ray.get(self.queue.get.remote(b, self.version, timeout))
-        except (TimeoutError, ray.exceptions.RayTaskError) as e:
-            if not isinstance(e, TimeoutError) and not isinstance(getattr(e, "cause", None), TimeoutError):
-                raise
-            raise TrainingError(f"waited {timeout:g}s (trainer.dist_timeout_s) for {b} trajectory groups; "
-                                f"rollout: {self._rollout_metrics()}") from None
+        deadline = time.monotonic() + timeout
+        while True:  # a health check every WAIT_SLICE_S: the prompts of a dead worker would never come
+            try:
+                groups = ray.get(self.queue.get.remote(b, self.version, min(WAIT_SLICE_S, timeout)))
+                break
+            except (TimeoutError, ray.exceptions.RayTaskError) as e:
+                if not isinstance(e, TimeoutError) and not isinstance(getattr(e, "cause", None), TimeoutError):
+                    raise
+            if time.monotonic() >= deadline:
+                raise TrainingError(f"waited {timeout:g}s (trainer.dist_timeout_s) for {b} trajectory groups; "
+                                    f"rollout: {self._rollout_metrics()}")
+            self._check_health()
         fresh, stale = [], 0
         for g in groups:
             if self.ledger.states.get(g.prompt_id) != "running":
@@ -294,8 +302,8 @@ class Driver:
         return stats + self._retired_stats
 
     def _rejected_prompts(self) -> dict[str, Any]:
-        """prompt id -> Failure, for every row a worker refused."""
-        return {pid: f for stats in self._worker_stats() for pid, f in stats.failed_prompts.items()}
+        """prompt id -> Failure, for every row a live worker refused."""
+        return {pid: f for stats in self._on_workers("get_stats") for pid, f in stats.failed_prompts.items()}
 
     def _sync(self) -> dict[str, float]:
         """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops. An
@@ -617,6 +625,9 @@ class Driver:
                    for p in sorted(self.ledger.running() - queued - {g.prompt_id for g in pending})]
         if restart:
             self._on_workers("submit", per_worker=[(restart[k::n],) for k in range(n)])
+        for prompt_id, failure in self._rejected_prompts().items():  # refused now (e.g. a smaller context)
+            if self.ledger.states.get(prompt_id) == "running":
+                self.ledger.finish(prompt_id, "failed", failure.code)
         loops, kept = sum(len(g.snapshots) for g in pending), sum(g.generated_tokens() for g in pending)
         logger.info("resumed from %s: step %d, version %d, %d groups queued, %d loops continue from their "
                     "snapshots (%d tokens kept), %d prompts restarted", path, self.step, self.version, len(queued),

@@ -10,7 +10,7 @@ from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_ov
 from asyncrl.bench.raw_broadcast import raw_sizes
 from asyncrl.config import ConfigError
 from tests.conftest import run_cli
-from tests.test_train_e2e import TINY_SETTINGS, check_run
+from tests.test_train_e2e import KEEP_MODE, TINY_SETTINGS, check_run
 
 
 def test_bench_settings_are_split_from_the_training_overrides_and_checked():
@@ -52,7 +52,7 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync,sync-vs-async}" in out.stderr
+    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults}" in out.stderr
 
 
 @pytest.mark.slow
@@ -107,10 +107,12 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
 @pytest.mark.alone
 def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path, base_model):
     """One run (2 engines, 2 rollout workers) loses an engine's vLLM core, a rollout worker and a
-    trainer rank (SIGKILL), then is killed whole and resumed from its newest checkpoint."""
-    out = run_cli("bench", "faults", "recipe=arith", *TINY_SETTINGS, "trainer.total_steps=30", "eval.every_steps=0",
-                  "bench.fault_steps=[2,3,6,10]", "bench.checkpoint_every=4", f"run.output_dir={tmp_path}",
-                  cwd=tmp_path, timeout=900)
+    trainer rank (SIGKILL), then is killed whole and resumed from its newest checkpoint. It is
+    also the end-to-end run of the `keep` mode (tests/test_train_e2e.py): eta = 2, requests that
+    outlive a weight sync, decoupled PPO."""
+    out = run_cli("bench", "faults", "recipe=arith", *TINY_SETTINGS, *KEEP_MODE, "trainer.total_steps=20",
+                  "eval.every_steps=0", "bench.fault_steps=[2,3,6,10]", "bench.checkpoint_every=4",
+                  f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:] + (tmp_path / "train.log").read_text()[-6000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "faults" and result["faults_injected"] == result["faults_survived"] == 4
@@ -120,7 +122,7 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     # the trainer's restart and the resume continue the checkpoint's loops from their snapshots
     assert result["loops_resumed"]["trainer"] > 0 and result["loops_resumed"]["run"] > 0
     assert result["prompts_restarted"]["run"] == 0
-    summary = check_run(tmp_path / "run", eta=1, steps=30, plots=True, faults=True)
+    summary = check_run(tmp_path / "run", eta=2, steps=20, plots=True, faults=True)
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
     assert sorted(events) == ["engine", "rollout_worker", "run", "trainer"]

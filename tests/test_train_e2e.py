@@ -21,16 +21,17 @@ TINY_SETTINGS = ["trainer.total_steps=3", "algorithm.prompts_per_step=4", "algor
         "engine.cpu_model_in_engine_core=true"]
 WORKER_PROCESS = ["engine.cpu_model_in_engine_core=false"]
 TINY = ["recipe=arith", *TINY_SETTINGS]
+# Fully async with `keep` pauses: its end-to-end run is the faults bench's (tests/test_bench.py),
+# which also loses an engine, a rollout worker and a trainer rank and is killed whole and resumed.
+KEEP_MODE = ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo"]
 
-# Each mode once; the other two run in test_bench's sync-vs-async test, which checks the same
+# Each mode once; two more run in test_bench's sync-vs-async test, which checks the same
 # invariants on its two runs: synchronous on-policy (algorithm.max_staleness=0, no partial
-# rollout), and fully async with abort-and-resume on cores of its own (recipe=chain_sum_cot).
-# A run under `ray job submit` that checkpoints, and a run resumed from that checkpoint, are in
-# test_train_lifecycle.
+# rollout), and fully async with abort-and-resume on cores of its own (recipe=chain_sum_cot);
+# KEEP_MODE in its faults test. A run under `ray job submit` that checkpoints is in
+# test_train_lifecycle; a run killed whole and resumed from its checkpoint, in the faults test.
 MODES = {
     "one_step_off_policy": ["algorithm.max_staleness=1", "algorithm.partial_rollout=false", *WORKER_PROCESS],
-    "async_keep": ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorithm=decoupled_ppo",
-                   *WORKER_PROCESS],
     # arith_tool: the chat_tool loop (a conversation through the model's chat template, Hermes calls to
     # the calculator, the tool turns masked, tool-call counts in the metrics) in training and evaluation
     "tool_loop": ["algorithm.max_staleness=1"],
@@ -75,7 +76,7 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
                   timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
-    check_run(run_dir, eta={"async_keep": 2}.get(mode, 1))
+    check_run(run_dir, eta=1)
     if mode == "tool_loop":  # the calls are counted (in total and by failure reason) and drawn
         steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
         assert steps[-1]["rollout/tool_calls"] > 0
