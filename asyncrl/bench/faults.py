@@ -176,7 +176,7 @@ def _figures(cfg: Config, run_dir: Path, injected: dict[str, dict[str, Any]], be
         "prompts_trained_twice": summary["prompts_trained_twice"],
         "staleness_violations": sum(r["train/staleness_max"] > eta for r in steps),
         "recovery_s": {e["kind"]: round(e["recovery_s"], 1) for e in events},
-        "resume_wall_s": round(resume_s, 1),
+        "resumed_run_s": round(resume_s, 1),  # from the kill to the resumed run's end
         "base_accuracy": summary["base_accuracy"], "final_accuracy": summary["final_accuracy"],
         "tokens_regenerated_after_resume": max(0, at_kill - at_ckpt),
         "loops_resumed": {e["kind"]: e["loops_resumed"] for e in events if e["loops_resumed"]},
