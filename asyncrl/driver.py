@@ -520,7 +520,7 @@ class Driver:
         self._count_restart("trainer", self.cfg.run.max_trainer_restarts, why)
         path = latest_checkpoint(self.run_dir)
         if path is None:
-            raise TrainingError(f"a trainer rank died ({why}) and this run has no checkpoint to restart from "
+            raise TrainingError(f"{why}; this run has no checkpoint to restart from "
                                 "(set trainer.checkpoint_every)")
         event = FaultEvent("trainer", "trainer", self.step, why)
         logger.warning("%s; restarting the trainer from %s", why, path)

@@ -118,7 +118,7 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
-    assert "asyncrl train: failed: TrainingError: a trainer rank died" in err
+    assert "asyncrl train: failed: TrainingError: trainer rank 0 died: " in err
     assert "no checkpoint to restart from (set trainer.checkpoint_every)" in err
     assert leftovers(tag) == {}
 

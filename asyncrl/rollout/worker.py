@@ -175,13 +175,13 @@ class RolloutWorker:
             for i, done in enumerate(group.trajectories):
                 if done is not None:
                     continue
-                snapshot = state.snapshots.get(i)
-                if snapshot is not None:
+                start = state.snapshots.get(i)
+                if start is not None:
                     self.stats.resumes += 1
                 else:
-                    snapshot = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
-                                          env_id=group.agent.env_id, timings={"submitted": time.time()})
-                self._spawn(group, i, snapshot)
+                    start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
+                                       env_id=group.agent.env_id, timings={"submitted": time.time()})
+                self._spawn(group, i, start)
         return accepted
 
     def replace_engine(self, index: int, engine: Any) -> None:

@@ -37,22 +37,24 @@ class TrainerGroup:
         return self.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
 
     def get(self, refs: list[ray.ObjectRef]) -> list[Any]:
-        """The ranks' answers to one call; `TrainerRankDied` as soon as one rank is seen dead."""
+        """The ranks' answers to one call (`refs[i]` is rank i's); `TrainerRankDied` as soon as one
+        rank is seen dead."""
+        rank = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
-                raise TrainerRankDied(f"a trainer rank died: {error_line(e)}") from None
+                raise TrainerRankDied(f"trainer rank {rank[ready[0]]} died: {error_line(e)}") from None
             except Exception as e:
                 # A live rank failed: because another rank died (their collective broke), or a bug.
                 for other in ray.wait(pending, num_returns=len(pending), timeout=RANK_ERROR_GRACE_S)[0]:
                     try:
                         ray.get(other)
                     except ray.exceptions.RayActorError as died:
-                        raise TrainerRankDied(f"a trainer rank died: {error_line(died)} "
-                                              f"(another: {error_line(e)})") from None
+                        raise TrainerRankDied(f"trainer rank {rank[other]} died: {error_line(died)} (rank "
+                                              f"{rank[ready[0]]}: {error_line(e)})") from None
                     except Exception:  # the same failure on that rank
                         pass
                 raise
