@@ -101,7 +101,8 @@ class Driver:
         self.log: RunLog | None = None
         self._started_ray = False
         a = cfg.algorithm
-        self.staleness = StalenessController(a.max_staleness, a.prompts_per_step, a.sync_every_steps)
+        self.staleness = StalenessController(a.max_staleness, a.prompts_per_step, a.sync_every_steps,
+                                             policy_lag=a.policy_lag)
         self.ledger = PromptLedger()
         self.trained_prompts: list[str] = []
         self.faults: list[FaultEvent] = []

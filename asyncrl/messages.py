@@ -102,10 +102,12 @@ class TrainerSetupInfo:
 
 @dataclass
 class StagedWeights:
-    """What `stage_weights()` reports: seconds to export and pack, and each tensor's checksum."""
+    """What `stage_weights(version)` reports: seconds to export and pack, the policy version the
+    engines will get (older than asked with algorithm.policy_lag), and each of its tensors' checksum."""
 
     seconds: float
     checksums: dict[str, int]
+    version: int = 0
 
 
 @dataclass
@@ -124,7 +126,8 @@ class TrainStepResult:
 class SyncTimings:
     """One weight sync, as the driver sees it: engine-side phases are the slowest engine's."""
 
-    version: int
+    version: int  # the trainer's, after the sync
+    engine_version: int  # the policy the engines hold now (version - algorithm.policy_lag, at least 0)
     stage_s: float  # trainer export + pack, while the engines still generate
     total_s: float  # pause -> broadcast -> load -> resume, from the driver's calls to the last reply
     pause_s: float

@@ -132,6 +132,7 @@ def test_presets_set_what_they_promise(base_model):
 @pytest.mark.parametrize("override,expected", [
     ("algorithm.max_staleness=-1", ["algorithm.max_staleness=-1", ">= 0"]),
     ("run.max_trainer_restarts=-1", ["run.max_trainer_restarts=-1", ">= 0"]),
+    ("algorithm.policy_lag=2", ["algorithm.policy_lag=2", "must be in [0, algorithm.max_staleness=1]"]),
     ("run.health_timeout_s=0", ["run.health_timeout_s=0.0", "seconds in (0,"]),
     ("run.resume_from=latest", ["run.resume_from=latest: no checkpoint in run.output_dir=''"]),
     ("engine.backend=sglang", ["engine.backend='sglang'", "must be one of vllm"]),

@@ -78,6 +78,11 @@ def test_admission_bound_by_hand():
     assert [sync.capacity(v) for v in range(3)] == [8, 16, 24]
     # freshness: oldest token version 0 (group(0) has versions 0, 1)
     assert s.is_fresh(group(0), 1) and not s.is_fresh(group(0), 2)
+    # controlled staleness: eta = 2, engines lag = 2 versions behind: admission runs 2 - 2 = 0
+    # versions ahead, (0 + v + 1) * B = 4 per version, as synchronous training does
+    lagged = StalenessController(max_staleness=2, prompts_per_step=4, policy_lag=2)
+    assert [lagged.capacity(v) for v in range(3)] == [4, 8, 12]
+    assert lagged.is_fresh(group(0), 2) and not lagged.is_fresh(group(0), 3)
 
 
 def test_ledger_keeps_each_prompt_in_exactly_one_state():

@@ -208,6 +208,12 @@ class AlgorithmConfig:
     prompts_per_step: int = 32  # B
     # eta: a token may be at most this many policy versions older than the trainer.
     max_staleness: int = 1
+    # Controlled staleness: the engines run the policy this many versions behind the trainer (a
+    # sync to version v gives them version v - policy_lag, kept by trainer rank 0), and admission
+    # runs max_staleness - policy_lag versions ahead. With partial_rollout=false and
+    # max_staleness = policy_lag every trained token is exactly policy_lag versions old (once
+    # that many versions exist). 0: the engines get the trainer's newest weights.
+    policy_lag: int = 0
     sync_every_steps: int = 1  # weight sync every k trainer steps
     partial_rollout: bool = True
     pause_mode: str = "abort"  # abort | keep

@@ -3,7 +3,10 @@
 Admission (AReaL): with B prompts per train step, a weight sync every k steps and
 policy version v (the number of syncs so far), a new prompt may start only while
 
-    admitted <= (eta + v + 1) * k * B
+    admitted <= (eta - lag + v + 1) * k * B
+
+(lag: `algorithm.policy_lag`, the versions the engines run behind the trainer, so that the
+tokens' staleness is lag + how far generation runs ahead, at most eta.)
 
 where `admitted` counts every prompt ever accepted (trained, queued or running). With
 eta = 0 this is synchronous on-policy training; with eta = 1 one-step off-policy; larger
@@ -30,9 +33,11 @@ class StalenessController:
     prompts_per_step: int  # B
     sync_every_steps: int = 1  # k
     admitted: int = 0
+    policy_lag: int = 0  # lag
 
     def capacity(self, version: int) -> int:
-        return (self.max_staleness + version + 1) * self.sync_every_steps * self.prompts_per_step
+        ahead = self.max_staleness - self.policy_lag
+        return (ahead + version + 1) * self.sync_every_steps * self.prompts_per_step
 
     def admissible(self, version: int) -> int:
         """How many more prompts may start now."""

@@ -79,11 +79,12 @@ class WeightSync:
         if not self.connected:
             self.connect()
         ts = time.monotonic()
-        sent = self.trainer.stage_weights()  # export + pack while the engines still generate
+        sent = self.trainer.stage_weights(version)  # export + pack while the engines still generate
         t0 = time.monotonic()
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.broadcast_weights_async()
-        received = self._updates([e.update_weights.remote(version, pause_mode) for e in self.engines], version)
+        # With algorithm.policy_lag the trainer sends an older version; the engines stamp that one.
+        received = self._updates([e.update_weights.remote(sent.version, pause_mode) for e in self.engines], version)
         self.trainer.get(sent_refs)
         t1 = time.monotonic()
         for i, r in enumerate(received):
@@ -92,7 +93,8 @@ class WeightSync:
                 raise RuntimeError(f"weight sync to version {version}: engine-{i} received different bytes "
                                    f"for {bad[:5]}")
         timings = SyncTimings(
-            version=version, stage_s=t0 - ts, total_s=t1 - t0, pause_s=max(r.pause_s for r in received),
+            version=version, engine_version=sent.version, stage_s=t0 - ts, total_s=t1 - t0,
+            pause_s=max(r.pause_s for r in received),
             broadcast_load_s=max(r.broadcast_load_s for r in received), load_s=max(r.load_s for r in received),
             resume_s=max(r.resume_s for r in received), paused_s=max(r.paused_s for r in received),
             load_paths=[r.load_path for r in received], in_place_bytes=[r.in_place_bytes for r in received])

@@ -24,6 +24,7 @@ optimizer and scheduler state and load at another tensor-parallel size.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -85,6 +86,9 @@ class TrainerRank:
         self.step = 0
         self._weight_group = None
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
+        # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
+        # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
+        self._history: collections.deque = collections.deque()
 
     # -- setup ---------------------------------------------------------------------
 
@@ -134,6 +138,9 @@ class TrainerRank:
         self.optimizer, self.scheduler = self._build_optimizer()
         self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
                                      int(t.weight_sync_in_place_mb * 2**20))
+        if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
+            self.stage_weights(0)
+            self._staged = None
         n_params = sum(p.numel() for p in self.model[0].parameters())
         info = TrainerSetupInfo(
             setup_s=time.monotonic() - t0, params_this_rank=n_params, transformer_engine=self.use_te, tp=self.tp_size,
@@ -221,6 +228,8 @@ class TrainerRank:
                 stale = (policy_version - b.versions[trained]).float()
                 stats["staleness"] = stats.get("staleness", 0.0) + float(stale.sum())
                 maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
+                for s in range(self.cfg.algorithm.max_staleness + 1):  # the same names on every rank
+                    stats[f"staleness_share_{s}"] = stats.get(f"staleness_share_{s}", 0.0) + float((stale == s).sum())
         self.step += 1
         metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
@@ -346,10 +355,13 @@ class TrainerRank:
             backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
-    def stage_weights(self) -> StagedWeights:
-        """Export the current weights and pack them into the broadcast buckets ahead of the sync,
-        while the engines still generate (the export gathers tensor-parallel shards, so every
-        rank takes part; rank 0 keeps the buckets). Returns seconds and per-tensor checksums."""
+    def stage_weights(self, version: int) -> StagedWeights:
+        """Export the current weights (policy `version`) and pack them into the broadcast buckets
+        ahead of the sync, while the engines still generate (the export gathers tensor-parallel
+        shards, so every rank takes part; rank 0 keeps the buckets). With algorithm.policy_lag = L
+        the buckets staged for the broadcast are those of version - L (or the oldest kept: the
+        weights this trainer started from or was restored to). Returns seconds, the version
+        staged and its per-tensor checksums."""
         t0 = time.monotonic()
         checksums: dict[str, int] = {}
 
@@ -358,12 +370,18 @@ class TrainerRank:
                 checksums[name] = byte_checksum(t)
                 yield name, t
 
-        if self.rank == 0:
-            self._staged = pack_buckets(self.plan, tensors(), self.device)
-        else:
+        if self.rank != 0:
             for _ in self._export():
                 pass
-        return StagedWeights(time.monotonic() - t0, checksums)
+            return StagedWeights(time.monotonic() - t0, checksums, version)
+        self._history.append((version, pack_buckets(self.plan, tensors(), self.device), checksums))
+        lag = self.cfg.algorithm.policy_lag
+        while len(self._history) > 1 and self._history[1][0] <= version - lag:
+            self._history.popleft()
+        staged_version, self._staged, staged_checksums = self._history[0]
+        if not lag:
+            self._history.clear()
+        return StagedWeights(time.monotonic() - t0, staged_checksums, staged_version)
 
     def broadcast_weights(self) -> float:
         """Send the staged buckets to every engine worker (rank 0; a no-op elsewhere). Returns seconds."""
@@ -419,6 +437,7 @@ class TrainerRank:
             self.optimizer.load_state_dict(loaded["optimizer"])
         meta = torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
         self.step = meta["step"]
+        self._history.clear()  # the restored weights are the oldest a lagged sync can send now
         if load_optimizer:
             self.scheduler.load_state_dict(meta["scheduler"])
         return self.step
