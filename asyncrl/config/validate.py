@@ -157,8 +157,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
     # model
     _check_checkpoint_dir("model.path", c.model.path, problems)
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    need(0 <= c.algorithm.policy_lag <= c.algorithm.max_staleness, "algorithm.policy_lag", c.algorithm.policy_lag,
-         f"must be in [0, algorithm.max_staleness={c.algorithm.max_staleness}] (no token may be staler than that)")
+    if c.algorithm.max_staleness >= 0:  # (a negative one is reported on its own)
+        need(0 <= c.algorithm.policy_lag <= c.algorithm.max_staleness, "algorithm.policy_lag", c.algorithm.policy_lag,
+             f"must be in [0, algorithm.max_staleness={c.algorithm.max_staleness}] (no token may be staler than that)")
     for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts"):
         at_least(f"run.{key}", getattr(c.run, key), 0, "0: the first such fault ends the run")
     need(0 < c.run.health_timeout_s <= MAX_TIMEOUT_S, "run.health_timeout_s", c.run.health_timeout_s,
