@@ -202,7 +202,7 @@ class FaultEvent:
     """One fault the driver recovered from: what died, when it was seen, how long each phase of
     the recovery took, and what it cost (prompts started again, generated tokens thrown away)."""
 
-    kind: str  # engine | rollout_worker | trainer
+    kind: str  # engine | rollout_worker | trainer | run (the run was stopped and resumed from a checkpoint)
     actor: str  # its dashboard name
     step: int  # the train step during which it was found
     error: str

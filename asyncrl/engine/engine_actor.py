@@ -62,7 +62,7 @@ PAUSE_MODES = ("abort", "keep")
 # An aborted request delivers its final output within milliseconds; one still outstanding
 # after this long is queued behind the pause inside vLLM and is aborted by the actor.
 ABORT_GRACE_S = 0.1
-# How often a health check waiting on the engine core looks whether the core died.
+# How often a call waiting on the engine core (a health check, a weight update) looks whether the core died.
 HEALTH_POLL_S = 0.5
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
 _TIED_OPTIONAL = {"lm_head.weight"}
