@@ -281,8 +281,7 @@ class Driver:
         all_rejected = 0
         while room > 0:
             problems = [self.agents.next_problem() for _ in range(room)]
-            shares = [problems[i::len(self.workers)] for i in range(len(self.workers))]
-            accepted = sum(self._on_workers("submit", per_worker=[(s,) for s in shares]))
+            accepted = sum(self._spread("submit", problems))
             rejected = self._rejected_prompts()
             for p in problems:
                 self.ledger.admit(p.prompt_id)
@@ -396,6 +395,19 @@ class Driver:
                 out.append(ray.get(getattr(self.workers[i], method).remote(*calls[i])))
         return out
 
+    def _spread(self, method: str, items: list, *also: list) -> list:
+        """`method` on every worker with its share of `items` (and the same share of each list in
+        `also`), dealt round-robin."""
+        n = len(self.workers)
+        return self._on_workers(method, per_worker=[(items[k::n], *(x[k::n] for x in also)) for k in range(n)])
+
+    def _held_prompts(self) -> tuple[set[str], set[str]]:
+        """The prompts whose groups the workers hold, and those queued. Workers first, then the
+        queue: a group moving from one to the other meanwhile is seen twice rather than missed
+        (it leaves a worker only once it is queued)."""
+        in_workers = {p for ps in self._on_workers("pending_prompts") for p in ps}
+        return in_workers, set(ray.get(self.queue.prompt_ids.remote()))
+
     def _check_health(self) -> bool:
         """Ask every engine and rollout worker whether it is alive (a hung one does not answer
         within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
@@ -500,13 +512,9 @@ class Driver:
                                                        restart=self.restarts["rollout_worker"])
         ray.get(self.workers[i].get_stats.remote())  # constructed
         t1 = time.monotonic()
-        # Workers first, then the queue: a group moving from one to the other is seen at least once.
-        held = {p for w in self.workers for p in ray.get(w.pending_prompts.remote())}
-        queued = set(ray.get(self.queue.prompt_ids.remote()))
+        held, queued = self._held_prompts()
         lost = sorted(self.ledger.running() - held - queued)
-        problems = [self.agents.problem_by_id(p) for p in lost]
-        n = len(self.workers)
-        self._on_workers("submit", per_worker=[(problems[k::n],) for k in range(n)])
+        self._spread("submit", [self.agents.problem_by_id(p) for p in lost])
         event.prompts_restarted = len(lost)
         event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
         self._record(event)
@@ -551,7 +559,7 @@ class Driver:
         """Log the event, count it, and append it to RUN_DIR/faults.jsonl (kept across resumes)."""
         self.faults.append(event)
         with open(self.run_dir / "faults.jsonl", "a") as f:
-            f.write(json.dumps({**asdict(event), "recovery_s": event.recovery_s}) + "\n")
+            f.write(json.dumps(event.to_dict()) + "\n")
         logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
                        {k: round(v, 2) for k, v in event.phases_s.items()})
 
@@ -618,14 +626,12 @@ class Driver:
         loops_file = path / "loops.json"
         pending = [PendingGroupState.from_dict(g) for g in json.loads(loops_file.read_text())] \
             if loops_file.is_file() else []
-        n = len(self.workers)
-        self._on_workers("restore", per_worker=[
-            (pending[k::n], [self.agents.problem_by_id(g.prompt_id) for g in pending[k::n]]) for k in range(n)])
+        self._spread("restore", pending, [self.agents.problem_by_id(g.prompt_id) for g in pending])
         queued = {g.prompt_id for g in queue_state.groups}
         restart = [self.agents.problem_by_id(p)
                    for p in sorted(self.ledger.running() - queued - {g.prompt_id for g in pending})]
         if restart:
-            self._on_workers("submit", per_worker=[(restart[k::n],) for k in range(n)])
+            self._spread("submit", restart)
         for prompt_id, failure in self._rejected_prompts().items():  # refused now (e.g. a smaller context)
             if self.ledger.states.get(prompt_id) == "running":
                 self.ledger.finish(prompt_id, "failed", failure.code)
@@ -654,7 +660,7 @@ class Driver:
             "prompts": self.ledger_counts(), "max_staleness": self.cfg.algorithm.max_staleness,
             "prompts_trained_twice": len(self.trained_prompts) - len(set(self.trained_prompts)),
             "duplicates_dropped": self.duplicates_dropped,
-            "faults": [{**asdict(f), "recovery_s": f.recovery_s} for f in self.faults],
+            "faults": [f.to_dict() for f in self.faults],
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if summary["prompts"]["lost"]:
@@ -665,10 +671,7 @@ class Driver:
         """Every admitted prompt in exactly one state; running ones are where the workers and queue say."""
         counts = self.ledger.counts()
         running = self.ledger.running()
-        # Workers first, then the queue: a group moving from one to the other meanwhile is
-        # then seen twice rather than missed (it leaves a worker only once it is queued).
-        in_workers = {p for ps in self._on_workers("pending_prompts") for p in ps}
-        in_queue = set(ray.get(self.queue.prompt_ids.remote()))
+        in_workers, in_queue = self._held_prompts()
         unaccounted = running - in_queue - in_workers
         if unaccounted:
             logger.error("invariant broken: %d running prompts are neither queued nor in a worker, e.g. %s",

@@ -215,6 +215,9 @@ class FaultEvent:
     def recovery_s(self) -> float:
         return sum(self.phases_s.values())
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recovery_s": self.recovery_s}
+
 
 # -- queue ------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl.bench import faults
 from tests.conftest import ASYNCRL, REPO
 from tests.test_env_server import free_port
 from tests.test_train_e2e import TINY, check_run
@@ -33,14 +34,7 @@ def cluster_tag() -> str:
 
 def tagged(tag: str) -> list[psutil.Process]:
     """The live processes whose environment carries ASYNCRL_TEST_CLUSTER=tag."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("ASYNCRL_TEST_CLUSTER") == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
+    return faults.tagged(tag, "ASYNCRL_TEST_CLUSTER")
 
 
 def kill_tagged(tag: str, grace_s: float = 10) -> None:

@@ -47,12 +47,13 @@ VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker",
 KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 
-def tagged(tag: str) -> list[psutil.Process]:
-    """The live processes whose environment carries TAG_ENV=tag."""
+def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
+    """The live processes whose environment carries `variable`=tag (every process a run starts
+    inherits its environment)."""
     found = []
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(TAG_ENV) == tag:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(variable) == tag:
                 found.append(p)
     return found
 
@@ -66,13 +67,13 @@ def kill_all(tag: str) -> None:
         time.sleep(0.5)
 
 
-def _kill_one(tag: str, kind: str) -> int:
-    """SIGKILL one process of this kind; returns its pid."""
+def _kill_one(tag: str, kind: str) -> None:
+    """SIGKILL one process of this kind."""
     for p in tagged(tag):
         with contextlib.suppress(psutil.Error):
             if VICTIMS[kind] in " ".join(p.cmdline()):
                 p.send_signal(signal.SIGKILL)
-                return p.pid
+                return
     raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill")
 
 
@@ -128,12 +129,13 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                         while len(_events(run_dir, earlier)) == seen["recoveries_before"]:
                             _check_running(proc, f"before the {earlier} fault was recovered from", logs)
                             time.sleep(0.5)
-                    injected[kind] = {"step": _last_step(run_dir), "pid": proc.pid}
+                    injected[kind] = {"step": _last_step(run_dir)}
                     proc.kill()
                     kill_all(tag)
                     break
                 seen = len(_events(run_dir, kind))
-                injected[kind] = {"step": _last_step(run_dir), "pid": _kill_one(tag, kind), "recoveries_before": seen}
+                _kill_one(tag, kind)
+                injected[kind] = {"step": _last_step(run_dir), "recoveries_before": seen}
                 print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
                       flush=True)
                 while kind != "engine" and len(_events(run_dir, kind)) == seen:  # the driver waits for these
@@ -168,11 +170,10 @@ def _figures(cfg: Config, run_dir: Path, injected: dict[str, dict[str, Any]], be
     totals = [r for r in before_kill if "rollout/generated_tokens" in r]
     at_kill = totals[-1]["rollout/generated_tokens"] if totals else 0
     at_ckpt = max((r["rollout/generated_tokens"] for r in totals if r["step"] == resumed_from), default=at_kill)
-    p = summary["prompts"]
     return {
         "bench": "faults", "recipe": cfg.recipe.name,
         "faults_injected": len(injected), "faults_survived": len(recovered & set(injected)),
-        "prompts_lost": p["lost"] + (p["admitted"] - p["running"] - p["trained"] - p["filtered"] - p["failed"]),
+        "prompts_lost": summary["prompts"]["lost"],
         "prompts_trained_twice": summary["prompts_trained_twice"],
         "staleness_violations": sum(r["train/staleness_max"] > eta for r in steps),
         "recovery_s": {e["kind"]: round(e["recovery_s"], 1) for e in events},

@@ -153,6 +153,10 @@ class RolloutWorker:
             raise RuntimeError("checkpoint() while loops run: interrupt() first")
         while self._sample_tasks:
             await asyncio.gather(*list(self._sample_tasks), return_exceptions=True)
+        return self._pending_states()
+
+    def _pending_states(self) -> list[PendingGroupState]:
+        """The unfinished local groups as they stand: finished samples and the snapshots taken."""
         snapshots: dict[str, dict[int, AgentLoopSnapshot]] = collections.defaultdict(dict)
         for group, index, snapshot in self._snapshots:
             snapshots[group.group_id][index] = snapshot
@@ -215,10 +219,9 @@ class RolloutWorker:
         return groups
 
     def get_stats(self) -> WorkerStats:
-        kept = sum(sum(t.loss_mask) for g in self._pending.values() for t in g.trajectories if t is not None)
-        kept += sum(sum(s.trajectory.loss_mask) for _, _, s in self._snapshots)
         return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
-                       pending_tokens=kept, engine_failovers=self.router.failovers if self.router else 0,
+                       pending_tokens=sum(g.generated_tokens() for g in self._pending_states()),
+                       engine_failovers=self.router.failovers if self.router else 0,
                        failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
                        tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [])
