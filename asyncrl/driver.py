@@ -43,6 +43,7 @@ from asyncrl.config.schema import Config
 from asyncrl.config.validate import latest_checkpoint
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.messages import EngineActivity, FaultEvent, PendingGroupState, QueueState, WorkerStats, error_line
+from asyncrl.metrics import length_histogram
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.sync.weight_sync import EnginesFailed, WeightSync
@@ -85,6 +86,7 @@ class Driver:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.version = 0  # policy version: weight syncs so far
+        self.engine_version = 0  # the policy the engines hold (older with algorithm.policy_lag)
         self.step = 0
         self.samples = 0
         self.train_s = 0.0  # seconds in the training loop so far
@@ -193,16 +195,21 @@ class Driver:
         self.step += 1
         step = self.step
         t_wait = time.monotonic()
-        groups, dropped = self._next_batch()
+        groups, stale = self._next_batch()
         waited = time.monotonic() - t_wait
         result = self.trainer.train_step(groups, self.version)
         self._check_staleness(result.staleness_max)
         metrics: dict[str, Any] = dict(result.metrics)
+        trained = []
         for g in groups:
             reason = group_filter_reason(g, cfg.algorithm.loss)
             self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
             if not reason:
                 self.trained_prompts.append(g.prompt_id)
+                trained.append(g)
+        # What a staleness rule or a filter leaves out shows as a difference between the two.
+        metrics["length/finished_hist"] = length_histogram([*groups, *stale])
+        metrics["length/trained_hist"] = length_histogram(trained)
         step_samples = sum(len(g.trajectories) for g in groups)
         if len(self.agents.weights) > 1:  # the multi-task mix as trained
             metrics.update({f"batch/groups/{env}": n for env, n in
@@ -220,7 +227,7 @@ class Driver:
         request_s = sum(activity[e].request_s - last_activity[e].request_s for e in both)
         engine_s = elapsed * max(1, len(both))
         metrics.update({
-            "policy/version": self.version, "batch/dropped_stale": dropped,
+            "policy/version": self.version, "batch/dropped_stale": len(stale),
             "batch/duplicates_dropped": self.duplicates_dropped,
             "throughput/samples_per_s": step_samples / elapsed,
             "throughput/step_s": elapsed, "idle/trainer": waited / elapsed,
@@ -238,8 +245,8 @@ class Driver:
         self.log.log(step, metrics)
         self.queue.report.remote(_gauges(metrics))
 
-    def _next_batch(self) -> tuple[list, int]:
-        """B groups from the queue; groups staler than eta are dropped (counted) so that no
+    def _next_batch(self) -> tuple[list, list]:
+        """B groups from the queue, and those dropped as stale: groups staler than eta are dropped so that no
         trained token ever exceeds the bound, and so is a group whose prompt is no longer
         running (a dead worker's group that reached the queue after its prompt was restarted)."""
         b = self.cfg.algorithm.prompts_per_step
@@ -256,7 +263,7 @@ class Driver:
                 raise TrainingError(f"waited {timeout:g}s (trainer.dist_timeout_s) for {b} trajectory groups; "
                                     f"rollout: {self._rollout_metrics()}")
             self._check_health()
-        fresh, stale = [], 0
+        fresh, stale = [], []
         for g in groups:
             if self.ledger.states.get(g.prompt_id) != "running":
                 self.duplicates_dropped += 1
@@ -265,7 +272,7 @@ class Driver:
             elif self.staleness.is_fresh(g, self.version):
                 fresh.append(g)
             else:
-                stale += 1
+                stale.append(g)
                 self.ledger.finish(g.prompt_id, "filtered", "stale")
         return fresh, stale
 
@@ -329,11 +336,24 @@ class Driver:
             logger.warning("%s; syncing again without engine(s) %s", e, sorted(slots))
             timings = self.sync.sync(self.version + 1, a.pause_mode)
         self.version += 1
+        self.engine_version = timings.engine_version
         self._route_joined_engines()
         metrics = timings.metrics()
         if a.pause_mode == "abort":
             metrics["sync/resumed_loops"] = sum(self._on_workers("resume_interrupted"))
         return metrics
+
+    def _newest_policy_to_engines(self) -> None:
+        """With algorithm.policy_lag the engines hold an older policy than the trainer: the final
+        evaluation is of the trainer's (the policy the run trained)."""
+        if self.engine_version == self.version:
+            return
+        abort = self.cfg.algorithm.pause_mode == "abort"
+        if abort:
+            self._on_workers("interrupt")
+        self.engine_version = self.sync.sync(self.version, self.cfg.algorithm.pause_mode, newest=True).engine_version
+        if abort:
+            self._on_workers("resume_interrupted")
 
     def _slot_of(self, engine: Any) -> int:
         return next(i for i, e in enumerate(self.engines) if e is engine)
@@ -371,9 +391,9 @@ class Driver:
     def _evaluate(self, with_pass_k: bool) -> EvalResult:
         return evaluate_with_workers(self.cfg, self.workers, self.agents, self.heldout, with_pass_k=with_pass_k)
 
-    @staticmethod
-    def _eval_metrics(result: EvalResult) -> dict[str, float]:
-        out = {"eval/greedy_accuracy": result.greedy_accuracy, "eval/seconds": result.seconds}
+    def _eval_metrics(self, result: EvalResult) -> dict[str, float]:
+        out = {"eval/greedy_accuracy": result.greedy_accuracy, "eval/seconds": result.seconds,
+               "eval/policy_version": self.engine_version}
         out.update({f"eval/pass@{k}": v for k, v in result.pass_at_k.items()})
         if len(result.per_env) > 1:
             out.update({f"eval/{env}/{k}": v for env, m in result.per_env.items() for k, v in m.items()})
@@ -621,7 +641,8 @@ class Driver:
         ray.get(self.queue.restore.remote(queue_state))
         ledger = json.loads((path / "ledger.json").read_text())
         self.ledger = PromptLedger(ledger["states"], collections.Counter(ledger["reasons"]))
-        self.sync.sync(self.version, self.cfg.algorithm.pause_mode)  # the engines get the restored weights
+        # The engines get the restored weights (a policy lag starts again from them).
+        self.engine_version = self.sync.sync(self.version, self.cfg.algorithm.pause_mode, newest=True).engine_version
         self._route_joined_engines()
         loops_file = path / "loops.json"
         pending = [PendingGroupState.from_dict(g) for g in json.loads(loops_file.read_text())] \
@@ -645,6 +666,7 @@ class Driver:
         """Final evaluation (with pass@k), HF export, summary.json."""
         while self._starting:  # a replacement engine still starting: the run ends with it in
             self._poll_starting(block=True)
+        self._newest_policy_to_engines()
         self.final_eval = self._evaluate(with_pass_k=True)
         self.log.log(self.step, self._eval_metrics(self.final_eval))
         export = self.trainer.export_hf(str(self.run_dir / "final_policy"))

@@ -1,8 +1,13 @@
-"""Evaluation metrics that are pure math (no engine, no Ray)."""
+"""Metrics that are pure math (no engine, no Ray)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from math import comb
+
+from asyncrl.types import TrajectoryGroup, TrajectoryStatus
+
+LENGTH_BIN_TOKENS = 8
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -14,3 +19,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:  # every k-subset holds a correct sample
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def length_histogram(groups: list[TrajectoryGroup]) -> dict[int, int]:
+    """Response lengths of the groups' usable (not failed) trajectories: bin -> count, each bin
+    LENGTH_BIN_TOKENS wide and named by its lower edge."""
+    return dict(sorted(Counter(LENGTH_BIN_TOKENS * (t.num_response_tokens // LENGTH_BIN_TOKENS)
+                               for g in groups for t in g.trajectories
+                               if t.status is not TrajectoryStatus.FAILED).items()))

@@ -3,6 +3,8 @@ their own settings are checked by `asyncrl bench` alone."""
 
 import json
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +12,7 @@ from asyncrl.bench.config import BenchConfig, parse_bench_config, split_bench_ov
 from asyncrl.bench.raw_broadcast import raw_sizes
 from asyncrl.config import ConfigError
 from tests.conftest import run_cli
-from tests.test_train_e2e import KEEP_MODE, TINY_SETTINGS, check_run
+from tests.test_train_e2e import KEEP_MODE, TINY_SETTINGS, WORKER_PROCESS, check_run
 
 
 def test_bench_settings_are_split_from_the_training_overrides_and_checked():
@@ -129,3 +131,87 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
     assert sorted(events) == ["engine", "rollout_worker", "run", "trainer"]
+
+
+def test_the_staleness_grid_holds_each_staleness_exactly_and_shares_the_synchronous_run():
+    from asyncrl.bench.staleness import Arm, arm_config, arms
+    from asyncrl.run_config import load_config
+
+    cfg = load_config(["recipe=arith"])
+    bench = BenchConfig(staleness=[0, 2], losses=["grpo", "tis"], seeds=[1], pause_modes=["keep"])
+    grid = arms(cfg, bench)
+    assert [a.name for a in grid] == ["sync_s1", "controlled_grpo_k2_s1", "controlled_tis_k2_s1",
+                                      "keep_grpo_k2_s1"]
+    tis2 = arm_config(cfg, bench, grid[2], Path("/tmp/x"))
+    a = tis2.algorithm
+    assert (a.max_staleness, a.policy_lag, a.partial_rollout, a.loss.type) == (2, 2, False, "tis")
+    assert tis2.trainer.total_steps == bench.steps and tis2.run.seed == tis2.engine.seed == 1
+    assert tis2.eval.every_steps == bench.eval_every and tis2.trainer.checkpoint_every == 0
+    keep = arm_config(cfg, bench, grid[3], Path("/tmp/x")).algorithm
+    assert (keep.max_staleness, keep.policy_lag, keep.partial_rollout, keep.pause_mode) == (2, 0, True, "keep")
+    sync = arm_config(cfg, bench, grid[0], Path("/tmp/x")).algorithm
+    assert (sync.max_staleness, sync.policy_lag, sync.partial_rollout) == (0, 0, False)
+    # several mini-batches a step: the losses differ on-policy too, so k = 0 runs per loss
+    multi = replace(cfg, trainer=replace(cfg.trainer, mini_batches_per_step=2))
+    assert [x.name for x in arms(multi, replace(bench, pause_modes=[]))] == [
+        "controlled_grpo_k0_s1", "controlled_grpo_k2_s1", "controlled_tis_k0_s1", "controlled_tis_k2_s1"]
+    assert Arm("keep", "grpo", 2, 1).row == "grpo, free, keep"
+
+
+def test_staleness_figures_by_hand(tmp_path):
+    from asyncrl.bench.staleness import area_under_curve, markdown_table, run_figures
+
+    # trapezoids over versions 0..4: (2 * (0.1 + 0.5) / 2 + 2 * (0.5 + 0.5) / 2) / 4 = 0.4
+    assert area_under_curve([(0, 0.1), (2, 0.5), (4, 0.5)]) == pytest.approx(0.4)
+    assert area_under_curve([(0, 0.3)]) == 0.3
+    records = [
+        {"step": 0, "eval/greedy_accuracy": 0.1, "eval/policy_version": 0},
+        {"step": 1, "train/loss": 0.1, "train/mismatch_kl_mean": 0.01, "train/clip_fraction_mean": 0.1,
+         "train/is_weight_truncated_mean": 0.0, "train/staleness_mean": 1.0,
+         "length/trained_hist": {"0": 2, "8": 2}, "length/finished_hist": {"0": 2, "8": 2, "16": 4}},
+        {"step": 2, "train/loss": 0.2, "train/mismatch_kl_mean": 0.03, "train/clip_fraction_mean": 0.3,
+         "train/is_weight_truncated_mean": 0.5, "train/staleness_mean": 2.0,
+         "length/trained_hist": {"8": 4}, "length/finished_hist": {"8": 4}},
+        {"step": 2, "eval/greedy_accuracy": 0.5, "eval/policy_version": 2},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    f = run_figures(tmp_path)
+    assert f["curve"] == [(0, 0.1), (2, 0.5)] and f["auc"] == pytest.approx(0.3)
+    assert f["mismatch_kl"] == pytest.approx(0.02) and f["clip_fraction"] == pytest.approx(0.2)
+    assert f["truncated_fraction"] == pytest.approx(0.25) and f["staleness_mean"] == pytest.approx(1.5)
+    # bins stand for their middles: trained (2 x 4 + 6 x 12) / 8 = 10, finished (2 x 4 + 6 x 12 + 4 x 20) / 12
+    assert f["trained_length"] == pytest.approx(10.0) and f["finished_length"] == pytest.approx(160 / 12)
+    runs = [{"mode": "controlled", "loss": "grpo", "staleness": k, "seed": 1, "shared": k == 0, **f,
+             "final_accuracy": acc} for k, acc in ((0, 0.5), (2, 0.4))]
+    runs.append({**runs[1], "loss": "tis", "final_accuracy": 0.3})
+    table = markdown_table(runs, BenchConfig(steps=2))
+    # the synchronous run is every loss's k = 0
+    assert "| grpo | 50.0 (30.0) | 40.0 (30.0) |" in table and "| tis | 50.0 (30.0) | 30.0 (30.0) |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_staleness_bench_holds_the_staleness_it_is_given(tmp_path, base_model):
+    """One controlled run (the engines 2 versions behind the trainer, admission at eta - lag = 0, no
+    partial rollout): from step 3 on every trained token is exactly 2 versions old. It is also the
+    end-to-end run of the engine's model in a vLLM worker process of its own."""
+    out = run_cli("bench", "staleness", "recipe=arith", *TINY_SETTINGS, *WORKER_PROCESS, "bench.staleness=[2]",
+                  "bench.losses=[grpo]", "bench.seeds=[1]", "bench.steps=3", "bench.eval_every=2",
+                  f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "staleness" and result["steps"] == 3 and result["samples_per_run"] == 3 * 4 * 4
+    assert 0 <= result["final_accuracy"]["grpo"]["2"] <= 1
+    run_dir = tmp_path / "controlled_grpo_k2_s1"
+    check_run(run_dir, eta=2, plots=False)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["sync/engine_version"] for r in steps] == [0, 0, 1]  # the trainer's version - 2, at least 0
+    assert [round(r["train/staleness_mean"], 6) for r in steps] == [0, 1, 2]
+    assert steps[2]["train/staleness_share_2_mean"] == 1.0
+    # evaluations measure the engines' policy; the final one the trainer's newest
+    assert [r["eval/policy_version"] for r in records if "eval/greedy_accuracy" in r] == [0, 0, 3]
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert [v for v, _ in runs[0]["curve"]] == [0, 3] and runs[0]["staleness_mean"] == pytest.approx(1.0)
+    assert "| grpo | " in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "accuracy.png").stat().st_size > 5_000

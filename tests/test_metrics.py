@@ -49,3 +49,18 @@ def test_the_plot_draws_tool_panels_for_runs_that_call_tools(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         assert plot_run(tmp_path / name).stat().st_size > 10_000
+
+
+def test_length_histogram_bins_usable_responses_by_their_lower_edge():
+    from asyncrl.metrics import LENGTH_BIN_TOKENS, length_histogram
+    from asyncrl.types import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+    assert LENGTH_BIN_TOKENS == 8
+
+    def traj(n: int, status: TrajectoryStatus = TrajectoryStatus.OK) -> Trajectory:
+        seg = Segment(list(range(n)), [0.0] * n, [1] * n, [0] * n)
+        return Trajectory("p", "g", [1], [seg], status=status, failure_reason="boom" if status == "failed" else None)
+
+    group = TrajectoryGroup("g", "p", [traj(3), traj(8), traj(15), traj(16), traj(20, TrajectoryStatus.FAILED)])
+    assert length_histogram([group, group]) == {0: 2, 8: 4, 16: 2}  # the failed response counts nowhere
+    assert length_histogram([]) == {}

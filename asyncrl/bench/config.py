@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError
+from asyncrl.config.schema import LOSS_TYPES, PAUSE_MODES
 
 PREFIX = "bench."
 
@@ -37,6 +38,14 @@ class BenchConfig:
     # rank, then the whole run (increasing; the last two after a checkpoint).
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
+    # staleness bench: the grid (staleness held exactly at each k; every loss; every seed), the
+    # steps of every run, its evaluations, and the pause modes of free-running runs (none: none).
+    staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
+    losses: list[str] = field(default_factory=lambda: ["grpo", "decoupled_ppo", "tis"])
+    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    steps: int = 20
+    eval_every: int = 2
+    pause_modes: list[str] = field(default_factory=list)
 
 
 def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
@@ -69,6 +78,19 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
                         "(engine, rollout worker, trainer rank, whole run)")
     if b.checkpoint_every < 1:
         problems.append(f"bench.checkpoint_every={b.checkpoint_every!r}: must be >= 1")
+    if not b.staleness or any(k < 0 for k in b.staleness) or len(set(b.staleness)) != len(b.staleness):
+        problems.append(f"bench.staleness={b.staleness!r}: must be distinct versions >= 0")
+    if any(x not in LOSS_TYPES for x in b.losses):
+        problems.append(f"bench.losses={b.losses!r}: each must be one of {list(LOSS_TYPES)}")
+    if not b.losses and not b.pause_modes:
+        problems.append("bench.losses=[] and bench.pause_modes=[]: no run to make")
+    if any(m not in PAUSE_MODES for m in b.pause_modes):
+        problems.append(f"bench.pause_modes={b.pause_modes!r}: each must be one of {list(PAUSE_MODES)}")
+    if not b.seeds:
+        problems.append("bench.seeds=[]: at least one seed")
+    for name in ("steps", "eval_every"):
+        if getattr(b, name) < 1:
+            problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 1")
     if b.train_s < 1:
         problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
     if problems:

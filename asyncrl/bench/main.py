@@ -6,6 +6,7 @@ baseline in the same run.
     weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
+    staleness     learning at staleness held exactly at k, per loss, against synchronous training
 
 `bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
 training config, composed and validated as `asyncrl train` does.
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
     "faults": "asyncrl.bench.faults:run_faults_bench",
+    "staleness": "asyncrl.bench.staleness:run_staleness_bench",
 }
 _selected: list[tuple[str, BenchConfig]] = []
 

@@ -72,14 +72,15 @@ class WeightSync:
         logger.info("weight-sync group ready: %d members, %.1fs", self.world_size, seconds)
         return seconds
 
-    def sync(self, version: int, pause_mode: str = "abort") -> SyncTimings:
+    def sync(self, version: int, pause_mode: str = "abort", newest: bool = False) -> SyncTimings:
         """Stage, then on every engine at once: pause, broadcast, load, stamp `version`, resume.
         Engine-side phases are the slowest engine's; `paused_s` is the longest time an engine
-        did not generate, `total_s` the whole exchange as the caller sees it (Ray calls included)."""
+        did not generate, `total_s` the whole exchange as the caller sees it (Ray calls included).
+        `newest`: the trainer's current weights even with algorithm.policy_lag."""
         if not self.connected:
             self.connect()
         ts = time.monotonic()
-        sent = self.trainer.stage_weights(version)  # export + pack while the engines still generate
+        sent = self.trainer.stage_weights(version, newest)  # export + pack while the engines still generate
         t0 = time.monotonic()
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.broadcast_weights_async()

@@ -85,8 +85,8 @@ class TrainerGroup:
     def init_weight_group_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]:
         return [r.init_weight_group.remote(host, port, world_size) for r in self.ranks]
 
-    def stage_weights(self, version: int) -> StagedWeights:
-        return self._call("stage_weights", version)
+    def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
+        return self._call("stage_weights", version, newest)
 
     def broadcast_weights_async(self) -> list[ray.ObjectRef]:
         return [r.broadcast_weights.remote() for r in self.ranks]

@@ -355,13 +355,14 @@ class TrainerRank:
             backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
-    def stage_weights(self, version: int) -> StagedWeights:
+    def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         """Export the current weights (policy `version`) and pack them into the broadcast buckets
         ahead of the sync, while the engines still generate (the export gathers tensor-parallel
         shards, so every rank takes part; rank 0 keeps the buckets). With algorithm.policy_lag = L
         the buckets staged for the broadcast are those of version - L (or the oldest kept: the
-        weights this trainer started from or was restored to). Returns seconds, the version
-        staged and its per-tensor checksums."""
+        weights this trainer started from); `newest` stages the current weights whatever the lag
+        and starts the lag's history again from them (a restored run; the final evaluation).
+        Returns seconds, the version staged and its per-tensor checksums."""
         t0 = time.monotonic()
         checksums: dict[str, int] = {}
 
@@ -374,8 +375,10 @@ class TrainerRank:
             for _ in self._export():
                 pass
             return StagedWeights(time.monotonic() - t0, checksums, version)
-        self._history.append((version, pack_buckets(self.plan, tensors(), self.device), checksums))
         lag = self.cfg.algorithm.policy_lag
+        if newest:
+            self._history.clear()
+        self._history.append((version, pack_buckets(self.plan, tensors(), self.device), checksums))
         while len(self._history) > 1 and self._history[1][0] <= version - lag:
             self._history.popleft()
         staged_version, self._staged, staged_checksums = self._history[0]
