@@ -89,7 +89,9 @@ class Driver:
         self.engine_version = 0  # the policy the engines hold (older with algorithm.policy_lag)
         self.step = 0
         self.samples = 0
-        self.train_s = 0.0  # seconds in the training loop so far
+        self.train_s = 0.0  # seconds in the training loop so far, periodic evaluations left out
+        self.eval_s = 0.0  # seconds of periodic evaluations so far
+        self._started = 0.0  # when the training loop started
         self.engines: list = []  # one per engine slot: the live engine, or its replacement while it starts
         self.routed: list = []  # the engine handles the workers route to (a replacement once it has weights)
         self._starting: dict[int, tuple[ray.ObjectRef, FaultEvent, float]] = {}  # slot -> replacement's start
@@ -176,10 +178,10 @@ class Driver:
     def train(self) -> None:
         cfg = self.cfg
         self._admit()
-        started = time.monotonic()
-        self._last = (started, self._engine_activity(), {})
+        self._started = time.monotonic()
+        self._last = (self._started, self._engine_activity(), {})
         while self.step < cfg.trainer.total_steps:
-            if cfg.run.max_train_s and time.monotonic() - started >= cfg.run.max_train_s:
+            if cfg.run.max_train_s and self.train_s >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
                 break
             try:
@@ -187,7 +189,7 @@ class Driver:
                 self._train_step()
             except TrainerRankDied as e:
                 self._restart_trainer(str(e))
-            self.train_s = time.monotonic() - started
+            self.train_s = time.monotonic() - self._started - self.eval_s
 
     def _train_step(self) -> None:
         """One step: B groups -> train -> (sync) -> admit -> metrics, evaluation, checkpoint."""
@@ -236,10 +238,12 @@ class Driver:
             "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
             **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
             **self._fault_metrics(),
+            "progress/train_s": now - self._started - self.eval_s,  # the clock of run.max_train_s
         })
         self._last = (now, activity, rollout)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
             metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
+            self.eval_s += time.monotonic() - now
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
             self.save_checkpoint()
         self.log.log(step, metrics)

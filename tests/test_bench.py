@@ -28,6 +28,20 @@ def test_bench_settings_are_split_from_the_training_overrides_and_checked():
         parse_bench_config(["bench.rounds=0"])
 
 
+def test_time_to_a_target_accuracy_is_the_first_evaluation_that_reaches_it(tmp_path):
+    from asyncrl.bench.sync_vs_async import accuracy_curve, time_to
+
+    records = [{"step": 0, "eval/greedy_accuracy": 0.5},  # the base's, logged at set-up
+               {"step": 1, "progress/train_s": 4.0},
+               {"step": 2, "progress/train_s": 9.0, "eval/greedy_accuracy": 0.55},
+               {"step": 4, "progress/train_s": 20.0, "eval/greedy_accuracy": 0.62},
+               {"step": 5, "eval/greedy_accuracy": 0.61}]  # the final one
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    curve = accuracy_curve(tmp_path, {"base_accuracy": 0.5, "final_accuracy": 0.61, "train_s": 24.5})
+    assert curve == [(0.0, 0.5), (9.0, 0.55), (20.0, 0.62), (24.5, 0.61)]
+    assert time_to(curve, 0.6) == 20.0 and time_to(curve, 0.5) == 0.0 and time_to(curve, 0.7) is None
+
+
 def test_raw_sizes_cut_the_bytes_into_buckets():
     assert raw_sizes(10, 4) == [4, 4, 2] and raw_sizes(8, 4) == [4, 4] and raw_sizes(3, 4) == [3]
 
@@ -54,7 +68,8 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    assert out.returncode == 2 and "usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults}" in out.stderr
+    usage = "usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,staleness}"
+    assert out.returncode == 2 and usage in out.stderr
 
 
 @pytest.mark.slow
@@ -76,7 +91,8 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
 @pytest.mark.slow
 @pytest.mark.alone
 def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
-    out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "algorithm.prompts_per_step=4",
+    out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "bench.curve_every=1",
+                  "bench.target_accuracy=0.01", "algorithm.prompts_per_step=4",
                   "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",
                   "logging.wandb.enabled=false", "cluster.dashboard=false", f"run.output_dir={tmp_path / 'runs'}",
                   cwd=tmp_path, timeout=900)
@@ -91,6 +107,13 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
         assert 0 <= result[key] <= 1
     assert result["async_engine_util"] > 0 and result["sync_engine_util"] > 0
     assert result["sync_steps"] >= 1 and result["async_steps"] >= 1
+    # accuracy against training seconds: the base at 0, an evaluation after every step, the final one
+    for mode in ("sync", "async"):
+        (curve,) = result["curves"][mode]
+        times = [t for t, _ in curve]
+        assert curve[0] == [0.0, result["base_accuracy"]] and times == sorted(times)
+        assert len(curve) == result[f"{mode}_steps"] + 2
+        assert result[f"{mode}_time_to_target_s"] == [next(t for t, acc in curve if acc >= 0.01)]
     # Its two runs are the end-to-end runs of two modes (tests/test_train_e2e.py): synchronous
     # on-policy, and fully async with abort-and-resume, generation and training on cores of their own.
     check_run(tmp_path / "runs" / "sync", eta=0, steps=None, plots=False)

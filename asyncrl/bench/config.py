@@ -34,6 +34,10 @@ class BenchConfig:
     # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
     train_s: float = 180.0
     repeats: int = 1  # sync-vs-async bench: (sync, async) pairs run one after the other
+    # sync-vs-async bench: evaluate every this many steps (0: only after training), and the
+    # held-out accuracy whose time to reach each mode reports (0: none)
+    curve_every: int = 0
+    target_accuracy: float = 0.0
     # faults bench: after these steps it kills an engine's vLLM core, a rollout worker, a trainer
     # rank, then the whole run (increasing; the last two after a checkpoint).
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
@@ -91,6 +95,10 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
     for name in ("steps", "eval_every"):
         if getattr(b, name) < 1:
             problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 1")
+    if b.curve_every < 0:
+        problems.append(f"bench.curve_every={b.curve_every!r}: must be >= 0")
+    if not 0 <= b.target_accuracy <= 1:
+        problems.append(f"bench.target_accuracy={b.target_accuracy!r}: must be in [0, 1]")
     if b.train_s < 1:
         problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
     if problems:

@@ -12,14 +12,20 @@ fully asynchronously for the same wall time, in one invocation.
 (b) async: the recipe's settings as configured (eta as the recipe sets it, partial rollout with
     abort and resume, and the recipe's cpu_cores: generation and training, which now run
     at once, on cores of their own — as asynchronous peers give each its own GPUs).
-Each trains for `bench.train_s` seconds (set-up and the final evaluation not counted),
+Each trains for `bench.train_s` seconds (set-up and evaluations not counted),
 then evaluates on the held-out split. samples/s = trained samples / training seconds,
 tokens/s = trained (policy) tokens / training seconds; idle ratios and the engines'
 utilization (mean requests running over their concurrency) are time-weighted over the
 steps. With `bench.repeats` > 1 the pair runs again, and which side runs first alternates
 (sync-async, async-sync, ...): rates and the speedup are medians over the pairs (the
 speedup of each pair is taken within the pair, so slow drift of this shared machine hits
-both of its sides), accuracies the mean over repeats. Last line: one JSON object.
+both of its sides), accuracies the mean over repeats.
+Learning speed: with `bench.curve_every=N` both modes evaluate every N steps, and each mode's
+curve is held-out greedy accuracy against training seconds (evaluations are not counted, in
+the clock or in run.max_train_s; the asynchronous engines go on generating during one, up
+to the staleness bound); with `bench.target_accuracy=A` the bench reports each mode's time to
+reach A and `learning_speedup`, the median over pairs of sync's time over async's (pairs
+where either never reached A are left out). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ def _mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> C
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
         run=replace(cfg.run, output_dir=str(run_dir), max_train_s=bench.train_s, resume_from=""),
         trainer=replace(trainer, total_steps=max(trainer.total_steps, 100_000), checkpoint_every=0),
-        eval=replace(cfg.eval, every_steps=0),
+        eval=replace(cfg.eval, every_steps=bench.curve_every),
         logging=replace(cfg.logging, progress_bar=False))
 
 
@@ -58,6 +64,20 @@ def _step_figures(run_dir: Path) -> dict[str, float]:
            for name, key in (("trainer_idle", "idle/trainer"), ("engine_idle", "idle/engines"),
                              ("engine_util", "util/engines"))}
     return {**out, "tokens": sum(r["train/tokens"] for r in steps)}
+
+
+def accuracy_curve(run_dir: Path, summary: dict[str, Any]) -> list[tuple[float, float]]:
+    """Held-out greedy accuracy against training seconds (evaluations not counted): the base's at
+    0, every periodic evaluation's, the final one's at the run's training seconds."""
+    records = read_metrics(run_dir)
+    periodic = [(r["progress/train_s"], r["eval/greedy_accuracy"]) for r in records
+                if "eval/greedy_accuracy" in r and "progress/train_s" in r]
+    return [(0.0, summary["base_accuracy"]), *periodic, (summary["train_s"], summary["final_accuracy"])]
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The training seconds of the first evaluation at or above `target` (None: never)."""
+    return next((t for t, acc in curve if acc >= target), None)
 
 
 def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
@@ -72,8 +92,10 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
             run_dir = root / (mode if bench.repeats == 1 else f"{mode}{r}")
             summary = run_training(_mode_config(cfg, bench, mode, run_dir), run_dir)
             figures = _step_figures(run_dir)
+            curve = accuracy_curve(run_dir, summary)
             runs[mode].append({**summary, **figures, "samples_per_s": summary["samples"] / summary["train_s"],
-                               "tokens_per_s": figures["tokens"] / summary["train_s"]})
+                               "tokens_per_s": figures["tokens"] / summary["train_s"], "curve": curve,
+                               "time_to_target_s": time_to(curve, bench.target_accuracy)})
 
     def median(mode: str, key: str) -> float:
         return statistics.median(x[key] for x in runs[mode])
@@ -82,6 +104,13 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         return statistics.fmean(x[key] for x in runs[mode])
 
     pairs = [a["samples_per_s"] / s["samples_per_s"] for s, a in zip(runs["sync"], runs["async"])]
+    learning = [s["time_to_target_s"] / a["time_to_target_s"] for s, a in zip(runs["sync"], runs["async"])
+                if s["time_to_target_s"] and a["time_to_target_s"]]
+    target = {} if not bench.target_accuracy else {
+        "target_accuracy": bench.target_accuracy,
+        # per repeat; None where the mode never reached it
+        **{f"{mode}_time_to_target_s": [x["time_to_target_s"] for x in runs[mode]] for mode in ("sync", "async")},
+        "learning_speedup": statistics.median(learning) if learning else None}
     return {
         "bench": "sync_vs_async", "recipe": cfg.recipe.name, "train_s": bench.train_s,
         "sync_samples_per_s": median("sync", "samples_per_s"), "async_samples_per_s": median("async", "samples_per_s"),
@@ -94,6 +123,8 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "sync_accuracy": mean("sync", "final_accuracy"), "async_accuracy": mean("async", "final_accuracy"),
         "base_accuracy": runs["sync"][0]["base_accuracy"],
         "sync_steps": median("sync", "steps"), "async_steps": median("async", "steps"),
+        **target,
+        "curves": {mode: [[[round(t, 1), acc] for t, acc in x["curve"]] for x in runs[mode]] for mode in runs},
         "async_max_staleness": cfg.algorithm.max_staleness, "repeats": bench.repeats,
         "pair_speedups": [round(x, 3) for x in pairs],
         "async_cpu_cores": {k: getattr(cfg, k).cpu_cores for k in ("engine", "rollout", "trainer")},

@@ -48,7 +48,7 @@ class RunConfig:
     # An engine or rollout worker that does not answer a health check within this many
     # seconds counts as dead (it hangs).
     health_timeout_s: float = 120.0
-    # Stop training after this many seconds of training (setup and final evaluation not
+    # Stop training after this many seconds of training (setup and every evaluation not
     # counted), even before trainer.total_steps; 0: no limit.
     max_train_s: float = 0.0
 

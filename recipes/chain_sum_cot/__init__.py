@@ -31,3 +31,8 @@ def sft_target(problem: Problem) -> str:
         steps.append(f"{op}{term}={total}")
     assert str(total) == problem.answer, (problem.question, total)
     return " ".join(steps) + f" Answer: {total}"
+
+
+def direct_answer(problem: Problem) -> str:
+    """The bare answer: what the second stage of the base model's build mostly demonstrates."""
+    return f"Answer: {problem.answer}"
