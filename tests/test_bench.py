@@ -182,7 +182,7 @@ def test_the_staleness_grid_holds_each_staleness_exactly_and_shares_the_synchron
 
 
 def test_staleness_figures_by_hand(tmp_path):
-    from asyncrl.bench.staleness import area_under_curve, markdown_table, run_figures
+    from asyncrl.bench.staleness import area_under_curve, markdown_table, plot_curves, run_figures
 
     # trapezoids over versions 0..4: (2 * (0.1 + 0.5) / 2 + 2 * (0.5 + 0.5) / 2) / 4 = 0.4
     assert area_under_curve([(0, 0.1), (2, 0.5), (4, 0.5)]) == pytest.approx(0.4)
@@ -207,6 +207,9 @@ def test_staleness_figures_by_hand(tmp_path):
     runs = [{"mode": "controlled", "loss": "grpo", "staleness": k, "seed": 1, "shared": k == 0, **f,
              "final_accuracy": acc} for k, acc in ((0, 0.5), (2, 0.4))]
     runs.append({**runs[1], "loss": "tis", "final_accuracy": 0.3})
+    # the grid's first run alone (the synchronous one) already makes a table and a plot
+    assert "| synchronous | 50.0 (30.0) |" in markdown_table(runs[:1], BenchConfig(steps=2))
+    assert plot_curves(runs[:1], tmp_path / "a.png").stat().st_size > 5_000
     table = markdown_table(runs, BenchConfig(steps=2))
     # the synchronous run is every loss's k = 0
     assert "| grpo | 50.0 (30.0) | 40.0 (30.0) |" in table and "| tis | 50.0 (30.0) | 30.0 (30.0) |" in table

@@ -159,7 +159,9 @@ def _row(r: dict[str, Any]) -> str:
 
 
 def _rows(results: list[dict[str, Any]]) -> list[str]:
-    return list(dict.fromkeys(_row(r) for r in results if not r["shared"]))
+    """The table's rows; only the synchronous run so far (the grid's first): a row of its own."""
+    rows = list(dict.fromkeys(_row(r) for r in results if not r["shared"]))
+    return rows or ["synchronous"] * bool(results)
 
 
 def _matching(results: list[dict[str, Any]], row: str, k: int) -> list[dict[str, Any]]:
