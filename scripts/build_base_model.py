@@ -2,7 +2,8 @@
 
     python scripts/build_base_model.py                       # -> recipes/arith/base_model
     python scripts/build_base_model.py --out /tmp/m --max-steps 50   # a quick smoke build
-    python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900 --keep-final
+    python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900 --keep-final \
+        --out build/chain_sum_cot_worked     # its first stage
     python scripts/build_base_model.py --init-from DIR --direct-fraction 0.8 ...  # a second stage
 
 1. Train a character-level (byte-level BPE with no merges) tokenizer.

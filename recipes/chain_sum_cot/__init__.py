@@ -1,13 +1,14 @@
-"""chain_sum_cot recipe: reasoning-gym chain_sum with 2-12 one-digit terms, answered with a
-worked chain of running sums, so response lengths vary about sixfold with the term count.
+"""chain_sum_cot recipe: reasoning-gym chain_sum with 2-12 one-digit terms, answered directly
+or with a worked chain of running sums, whose length varies about sixfold with the term count.
 
 It is the long-tailed task of `asyncrl bench sync-vs-async`: a synchronous step waits for
 its longest responses while the engine's batch empties; the asynchronous one keeps it full.
 
-A response: "4 +1=5 +7=12 -7=5 Answer: 5" — the first term, then each operator and term
-with the running sum, then the answer. Base model: recipes/chain_sum_cot/base_model, built by
-`python scripts/build_base_model.py --recipe chain_sum_cot --batch-size 32 --max-steps 900
---keep-final` (supervised on `sft_target`; docs/base_model.md).
+A worked response: "4 +1=5 +7=12 -7=5 Answer: 5" — the first term, then each operator and
+term with the running sum, then the answer; a direct one: "Answer: 5". Base model:
+recipes/chain_sum_cot/base_model, supervised first on `sft_target`, then mostly on
+`direct_answer` (conf/recipe/chain_sum_cot.yaml has the commands; docs/base_model.md): it
+answers directly, and RL teaches it to work the sums out.
 """
 
 from __future__ import annotations
