@@ -250,9 +250,10 @@ class Driver:
         self.queue.report.remote(_gauges(metrics))
 
     def _next_batch(self) -> tuple[list, list]:
-        """B groups from the queue, and those dropped as stale: groups staler than eta are dropped so that no
-        trained token ever exceeds the bound, and so is a group whose prompt is no longer
-        running (a dead worker's group that reached the queue after its prompt was restarted)."""
+        """B groups from the queue, and those it dropped as stale: groups staler than eta are dropped
+        so that no trained token ever exceeds the bound, and so is a group whose prompt is no
+        longer running (a dead worker's group that reached the queue after its prompt was
+        restarted; counted in duplicates_dropped)."""
         b = self.cfg.algorithm.prompts_per_step
         timeout = self.cfg.trainer.dist_timeout_s
         deadline = time.monotonic() + timeout
