@@ -1,7 +1,7 @@
 """`asyncrl bench staleness`: what staleness does to learning, per loss, on the real stack.
 
     asyncrl bench staleness recipe=arith                              # 5 staleness x 3 losses x 2 seeds
-    asyncrl bench staleness recipe=arith "bench.seeds=[1]"            # the small grid: ~45 min here
+    asyncrl bench staleness recipe=arith "bench.seeds=[1]"            # the small grid: ~32 min here
     asyncrl bench staleness recipe=arith "bench.pause_modes=[abort,keep]"   # + free-running runs
 
 Controlled runs: for each seed, loss in `bench.losses` and k in `bench.staleness`, the recipe
@@ -18,7 +18,7 @@ max_staleness = k, no lag and partial rollout: the staleness this machine's spee
 Each run evaluates greedily every `bench.eval_every` steps (the engines' policy: k versions
 behind the trainer in a controlled run; the curve is drawn against that policy's version) and
 the trainer's final policy at the end. Reported per run: the accuracy curve, final accuracy,
-area under the curve (mean accuracy over policy versions 0..steps, trapezoids), mean mismatch
+area under the curve (mean accuracy over the evaluated policy versions, trapezoids), mean mismatch
 KL(mu || pi), clip and importance-weight truncation fractions, mean staleness, and the mean
 response length of what was trained and of what finished (stale-dropped and filtered groups
 included). Writes `runs.json`, `table.md` and `accuracy.png` (one panel per loss) into the
@@ -161,7 +161,9 @@ def _row(r: dict[str, Any]) -> str:
 def _rows(results: list[dict[str, Any]]) -> list[str]:
     """The table's rows; only the synchronous run so far (the grid's first): a row of its own."""
     rows = list(dict.fromkeys(_row(r) for r in results if not r["shared"]))
-    return rows or ["synchronous"] * bool(results)
+    if not rows and results:
+        return ["synchronous"]
+    return rows
 
 
 def _matching(results: list[dict[str, Any]], row: str, k: int) -> list[dict[str, Any]]:
