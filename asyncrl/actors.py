@@ -22,12 +22,15 @@ from typing import Any
 
 import ray
 
+from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.engine.engine_actor import EngineActor, engines_stream
+from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec
@@ -47,6 +50,16 @@ class Placement:
     trainer: list[Options] = field(default_factory=list)
     worker: list[Options] = field(default_factory=list)
     group: Any = None  # the placement group, removed by `remove_placement`
+    names: list[str] = field(default_factory=list)  # each bundle's actor, as the dashboard names it
+
+    def nodes(self) -> dict[str, str]:
+        """Each bundle's actor name -> the Ray node (id) its bundle was placed on."""
+        if self.group is None:
+            return {}
+        from ray.util.placement_group import placement_group_table
+
+        where = placement_group_table(self.group)["bundles_to_node_id"]
+        return {name: where[i] for i, name in enumerate(self.names) if i in where}
 
 
 def weight_sync_backend(cfg: Config) -> str:
@@ -55,7 +68,10 @@ def weight_sync_backend(cfg: Config) -> str:
 
 
 def trainer_world_size(cfg: Config) -> int:
+    """Trainer rank actors: one for the simulated trainer, whatever parallelism it stands for."""
     t = cfg.trainer
+    if t.backend == "sim":
+        return 1
     return t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size
 
 
@@ -82,10 +98,12 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
 
     gpu = cfg.cluster.device == "cuda"
     t = cfg.trainer
-    roles = ([("engine", {"CPU": cfg.engine.num_cpus_per_engine,
+    roles = ([("engine", {"CPU": cfg.engine.num_cpus_per_engine, **cfg.engine.resources,
                           **({"GPU": cfg.engine.tensor_parallel_size} if gpu else {})})] * cfg.engine.num_engines
-             + [("trainer", {"CPU": t.num_cpus_per_rank, **({"GPU": 1} if gpu else {})})] * trainer_world_size(cfg)
-             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker})] * cfg.rollout.num_workers)
+             + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **({"GPU": 1} if gpu else {})})]
+             * trainer_world_size(cfg)
+             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
+             * cfg.rollout.num_workers)
     need: dict[str, float] = {}
     for _, bundle in roles:
         for k, v in bundle.items():
@@ -96,12 +114,16 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
         raise PlacementError("not enough cluster resources for this config: " + ", ".join(
             f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
             + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
-              "or the number of engines / workers / ranks)")
+              "or the number of engines / workers / ranks; custom resources of engine/trainer/rollout.resources "
+              "come from the nodes' `ray start --resources`)")
     pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
     ray.get(pg.ready(), timeout=timeout_s)
     placement = Placement(group=pg)
     for i, (role, _) in enumerate(roles):
-        getattr(placement, role).append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        slots = getattr(placement, role)
+        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(role, role),
+                                     len(slots), 0))
+        slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement
 
@@ -131,18 +153,26 @@ def engine_options(cfg: Config, engine_id: int, restart: int = 0) -> Options:
 
 
 def create_engines(cfg: Config, slots: list[Options] | None = None, stream: bool | None = None,
-                   engine_class: type = EngineActor) -> list:
-    """`engine.num_engines` EngineActors, not started yet (`start_engines`). `stream`: whether
+                   engine_class: type | None = None) -> list:
+    """`engine.num_engines` engines, not started yet (`start_engines`). `stream`: whether
     they stream per-token outputs (default: as `algorithm.pause_mode` needs)."""
     return [create_engine(cfg, i, slot(slots, i), stream, engine_class) for i in range(cfg.engine.num_engines)]
 
 
 def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stream: bool | None = None,
-                  engine_class: type = EngineActor, restart: int = 0) -> Any:
-    """One EngineActor, `engine-<engine_id>` on the dashboard, not started yet."""
+                  engine_class: type | None = None, restart: int = 0) -> Any:
+    """One engine, `engine-<engine_id>` on the dashboard, not started yet: an EngineActor (vLLM), a
+    SimEngine (engine.backend=sim) or `engine_class`."""
     stream = engines_stream(cfg.algorithm.pause_mode) if stream is None else stream
+    engine_class = engine_class or (SimEngine if cfg.engine.backend == "sim" else EngineActor)
+    sim = {}
+    if issubclass(engine_class, SimEngine):  # simulated time, and the broadcast's from the trainer's model
+        t = cfg.trainer.sim
+        sim = {"time_scale": cfg.cluster.time_scale, "receive_s": t.weight_bytes / t.broadcast_bytes_per_s,
+               "max_new_tokens": cfg.rollout.max_new_tokens}
     return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
-            .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream))
+            .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream,
+                    **sim))
 
 
 def start_engines(engines: list) -> list[EngineStartInfo]:
@@ -195,11 +225,13 @@ def trainer_rank_options(cfg: Config, rank: int, restart: int = 0) -> Options:
     return opts
 
 
-def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: type = TrainerRank,
+def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: type | None = None,
                    restart: int = 0) -> TrainerGroup:
     """The trainer's ranks as Ray actors, behind one TrainerGroup (not set up yet: `setup()`).
-    `rank_class`: a TrainerRank subclass (benchmarks and tests add their own probes)."""
+    `rank_class`: a TrainerRank subclass (benchmarks and tests add their own probes); by default
+    TrainerRank, or one SimTrainerRank with trainer.backend=sim."""
     world = trainer_world_size(cfg)
+    rank_class = rank_class or (SimTrainerRank if cfg.trainer.backend == "sim" else TrainerRank)
     ranks = [ray.remote(rank_class).options(**trainer_rank_options(cfg, r, restart), **slot(slots, r))
              .remote(cfg, r, world) for r in range(world)]
     return TrainerGroup(ranks)
@@ -208,4 +240,5 @@ def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: 
 def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list) -> WeightSync:
     """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers (not
     connected yet: `connect()`)."""
-    return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s)
+    return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s,
+                      Clock(cfg.cluster.time_scale))

@@ -4,6 +4,7 @@
     asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
     asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
+    asyncrl simulate SCENARIO [key=value ...]     # asyncrl bench simulate recipe=SCENARIO ...
 
 Everything after the subcommand goes to Hydra, so its flags work too:
 `--cfg job` prints the resolved config (validated first), `--help` lists the config groups.
@@ -19,7 +20,8 @@ COMMANDS = {
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy: `asyncrl eval [CHECKPOINT] recipe=...`"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
     "serve-env": ("asyncrl.serve_env", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
-    "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async`"),
+    "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async | ...`"),
+    "simulate": ("asyncrl.bench.main", "a scenario on simulated backends: `asyncrl simulate sim_math7b_128gpu`"),
 }
 
 
@@ -41,6 +43,13 @@ def main() -> None:
         print(f"asyncrl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module, _ = COMMANDS[command]
+    if command == "simulate":  # = asyncrl bench simulate recipe=SCENARIO
+        if len(sys.argv) < 3 or "=" in sys.argv[2]:
+            print("usage: asyncrl simulate SCENARIO [key=value ...]  (SCENARIO: conf/recipe/sim_*.yaml)",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        sys.argv = ["asyncrl", "bench", "simulate", f"recipe={sys.argv[2]}", *sys.argv[3:]]
+        command = "bench"
     sys.argv = [f"asyncrl {command}", *sys.argv[2:]]
     importlib.import_module(module).main()
 

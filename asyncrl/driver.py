@@ -39,10 +39,19 @@ import ray
 
 from asyncrl import actors
 from asyncrl.agents.registry import build_agents
+from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import latest_checkpoint
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
-from asyncrl.messages import EngineActivity, FaultEvent, PendingGroupState, QueueState, WorkerStats, error_line
+from asyncrl.messages import (
+    EngineActivity,
+    FaultEvent,
+    PendingGroupState,
+    QueueState,
+    QueueStats,
+    WorkerStats,
+    error_line,
+)
 from asyncrl.metrics import length_histogram
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
@@ -85,6 +94,7 @@ class Driver:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.clock = Clock(cfg.cluster.time_scale)  # what the run reports: simulated seconds with sim backends
         self.version = 0  # policy version: weight syncs so far
         self.engine_version = 0  # the policy the engines hold (older with algorithm.policy_lag)
         self.step = 0
@@ -114,8 +124,9 @@ class Driver:
         self.duplicates_dropped = 0  # groups of prompts already finished (a dead worker's late put)
         self._last_stats: dict[int, WorkerStats] = {}  # each worker's latest report
         self._retired_stats: list[WorkerStats] = []  # the last reports of replaced workers (their counts go on)
-        # The previous step's clocks: time, each live engine's activity totals, rollout totals.
-        self._last: tuple[float, dict[Any, EngineActivity], dict[str, Any]] | None = None
+        # The previous step's clocks: time, each live engine's activity totals, rollout totals, and
+        # each control-plane process's CPU seconds.
+        self._last: tuple[float, dict[Any, EngineActivity], dict[str, Any], dict[tuple, float]] | None = None
 
     # == setup =========================================================================
 
@@ -125,6 +136,9 @@ class Driver:
         self.log = RunLog(cfg, self.run_dir)
         self._start_ray()
         self.placement = actors.place(cfg)
+        nodes = self.placement.nodes()
+        if len(set(nodes.values())) > 1:
+            logger.info("placed on %d Ray nodes: %s", len(set(nodes.values())), nodes)
         logger.info("starting %d engine(s), %d rollout worker(s), %d trainer rank(s)", cfg.engine.num_engines,
                     cfg.rollout.num_workers, actors.trainer_world_size(cfg))
         self.engines = actors.create_engines(cfg, self.placement.engine)
@@ -133,7 +147,7 @@ class Driver:
         self.trainer = actors.create_trainer(cfg, self.placement.trainer)
         trainer_info = self.trainer.setup()  # the trainer loads while the engines start
         for i, info in enumerate(ray.get(engine_start)):
-            logger.info("engine-%d: vLLM started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
+            logger.info("engine-%d: started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
                         info.start_s, info.rss_gib, info.cpu_cores, info.vllm_processes)
         self.queue = actors.create_queue(cfg)
         self.workers = actors.create_rollout_workers(cfg, self.routed, self.queue, self.placement.worker)
@@ -178,8 +192,9 @@ class Driver:
     def train(self) -> None:
         cfg = self.cfg
         self._admit()
-        self._started = time.monotonic()
-        self._last = (self._started, self._engine_activity(), {})
+        self._started = self.clock.now()
+        activity = self._engine_activity()
+        self._last = (self._started, activity, {}, self._cpu_totals(activity, ray.get(self.queue.stats.remote())))
         while self.step < cfg.trainer.total_steps:
             if cfg.run.max_train_s and self.train_s >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
@@ -189,16 +204,16 @@ class Driver:
                 self._train_step()
             except TrainerRankDied as e:
                 self._restart_trainer(str(e))
-            self.train_s = time.monotonic() - self._started - self.eval_s
+            self.train_s = self.clock.now() - self._started - self.eval_s
 
     def _train_step(self) -> None:
         """One step: B groups -> train -> (sync) -> admit -> metrics, evaluation, checkpoint."""
         cfg, t = self.cfg, self.cfg.trainer
         self.step += 1
         step = self.step
-        t_wait = time.monotonic()
+        t_wait = self.clock.now()
         groups, stale = self._next_batch()
-        waited = time.monotonic() - t_wait
+        waited = self.clock.now() - t_wait
         result = self.trainer.train_step(groups, self.version)
         self._check_staleness(result.staleness_max)
         metrics: dict[str, Any] = dict(result.metrics)
@@ -220,8 +235,10 @@ class Driver:
         if step % cfg.algorithm.sync_every_steps == 0:
             metrics.update(self._sync())
         self._admit()
-        last_time, last_activity, last_rollout = self._last
-        now, activity, rollout = time.monotonic(), self._engine_activity(), self._rollout_metrics()
+        last_time, last_activity, last_rollout, last_cpu = self._last
+        now, activity, rollout = self.clock.now(), self._engine_activity(), self._rollout_metrics()
+        queue_stats = ray.get(self.queue.stats.remote())
+        cpu = self._cpu_totals(activity, queue_stats)
         elapsed = now - last_time
         # Over the engines live at both ends of the step (a replacement's totals start at 0).
         both = [e for e in activity if e in last_activity]
@@ -236,14 +253,14 @@ class Driver:
             "idle/engines": 1 - min(1.0, busy / engine_s),
             "util/engines": min(1.0, request_s / (engine_s * actors.engine_concurrency(cfg))),
             "progress/samples": self.samples, "progress/admitted": self.staleness.admitted,
-            **rollout, **tool_call_validity(rollout, last_rollout), **ray.get(self.queue.stats.remote()).metrics(),
-            **self._fault_metrics(),
+            **rollout, **tool_call_validity(rollout, last_rollout), **queue_stats.metrics(),
+            **self._fault_metrics(), **control_plane_metrics(cpu, last_cpu, elapsed),
             "progress/train_s": now - self._started - self.eval_s,  # the clock of run.max_train_s
         })
-        self._last = (now, activity, rollout)
+        self._last = (now, activity, rollout, cpu)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
             metrics.update(self._eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k)))
-            self.eval_s += time.monotonic() - now
+            self.eval_s += self.clock.now() - now
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
             self.save_checkpoint()
         self.log.log(step, metrics)
@@ -377,6 +394,13 @@ class Driver:
             engines = self.live_engines()
             each = ray.get([e.activity.remote() for e in engines])
         return dict(zip(engines, each))
+
+    def _cpu_totals(self, activity: dict[Any, EngineActivity], queue: QueueStats) -> dict[tuple, float]:
+        """CPU seconds so far of the control plane's processes: this driver, the queue, each live
+        rollout worker (as of the latest `_worker_stats`) and each engine actor."""
+        return {("driver",): time.process_time(), ("queue",): queue.cpu_s,
+                **{("worker", i): s.cpu_s for i, s in self._last_stats.items()},
+                **{("engine", e): a.cpu_s for e, a in activity.items()}}
 
     def _rollout_metrics(self) -> dict[str, Any]:
         stats = self._worker_stats()
@@ -688,6 +712,7 @@ class Driver:
             "prompts_trained_twice": len(self.trained_prompts) - len(set(self.trained_prompts)),
             "duplicates_dropped": self.duplicates_dropped,
             "faults": [f.to_dict() for f in self.faults],
+            "placement": self.placement.nodes(),  # actor -> the Ray node its bundle is on
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if summary["prompts"]["lost"]:
@@ -749,6 +774,18 @@ def tool_call_validity(rollout: dict[str, Any], before: dict[str, Any]) -> dict[
     if calls <= 0:
         return {}
     return {"rollout/tool_call_validity": 1 - (errors(rollout) - errors(before)) / calls}
+
+
+def control_plane_metrics(cpu: dict[tuple, float], before: dict[tuple, float], step_s: float) -> dict[str, float]:
+    """The CPU seconds each control-plane process spent in one step (`_cpu_totals` at its two
+    ends; a process that is new since, e.g. a replacement, is left out), and the busiest one's
+    share of the step: what saturates first as a run grows."""
+    spent = {k: v - before[k] for k, v in cpu.items() if k in before and v >= before[k]}
+    roles = {role: [v for k, v in spent.items() if k[0] == role] for role in ("driver", "queue", "worker", "engine")}
+    out = {f"control/{role}_cpu_s": max(vs) for role, vs in roles.items() if vs}
+    if out:
+        out["control/busiest_share"] = max(out.values()) / step_s
+    return out
 
 
 def _gauges(m: dict[str, Any]) -> dict[str, float]:

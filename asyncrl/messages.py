@@ -65,6 +65,7 @@ class EngineActivity:
 
     busy_s: float  # seconds with at least one request outstanding
     request_s: float  # the integral of the outstanding requests over time
+    cpu_s: float = 0.0  # CPU seconds of the actor's own process (not vLLM's): its share of the control plane
 
 
 @dataclass
@@ -165,6 +166,7 @@ class WorkerStats:
     engine_outstanding: list[int] = field(default_factory=list)  # this worker's requests per engine
     engine_failovers: int = 0  # requests that ended because their engine failed (their loops moved on)
     pending_tokens: int = 0  # policy tokens held by unfinished groups (finished samples and snapshots)
+    cpu_s: float = 0.0  # CPU seconds of the worker's process so far
 
 
 @dataclass
@@ -251,6 +253,7 @@ class QueueStats:
     producer_wait_s: float  # total seconds producers waited for room (backpressure)
     consumer_wait_s: float  # total seconds the trainer waited for groups
     staleness_histogram: dict[int, int]  # versions between a group's oldest token and the version it was taken at
+    cpu_s: float = 0.0  # CPU seconds of the queue's process so far
 
     def metrics(self) -> dict[str, float | dict[int, int]]:
         return {f"queue/{k}": v for k, v in asdict(self).items()}

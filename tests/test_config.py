@@ -9,7 +9,9 @@ from asyncrl.config import CONF_DIR, Config, ConfigError, compose, validate
 from asyncrl.run_config import load_config
 from tests.conftest import REPO, run_cli
 
-RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml") if not p.stem.startswith("sim_"))
+# Scenarios of simulated backends (asyncrl simulate): recipe options without a recipe folder of their own.
+SCENARIOS = sorted(p.stem for p in (CONF_DIR / "recipe").glob("sim_*.yaml"))
 GPU_RECIPES = ["gsm8k_qwen", "retool_qwen"]  # validated here, run on GPU clusters
 GROUP_OPTIONS = [
     (group.name, option.stem)
@@ -26,7 +28,7 @@ def test_every_recipe_folder_is_a_recipe_option():
         assert link.resolve() == (REPO / "recipes" / name / "config.yaml").resolve()
 
 
-@pytest.mark.parametrize("recipe", sorted(set(RECIPES) - set(GPU_RECIPES)))
+@pytest.mark.parametrize("recipe", sorted(set(RECIPES) - set(GPU_RECIPES)) + SCENARIOS)
 def test_every_shipped_recipe_validates(recipe, base_model):
     cfg = load_config([f"recipe={recipe}"])
     assert isinstance(cfg, Config)
@@ -117,7 +119,8 @@ def test_recipe_hooks_default_to_the_bare_answer_and_reject_non_functions(tmp_pa
 
 @pytest.mark.parametrize("group,option", GROUP_OPTIONS)
 def test_every_group_option_validates_with_the_default_recipe(group, option, base_model):
-    load_config([f"{group}={option}"])
+    pair = {"engine": ["trainer=sim"], "trainer": ["engine=sim"]}.get(group, []) if option == "sim" else []
+    load_config([f"{group}={option}", *pair])  # simulated backends come as a pair
 
 
 def test_presets_set_what_they_promise(base_model):

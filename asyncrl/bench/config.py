@@ -50,6 +50,12 @@ class BenchConfig:
     steps: int = 20
     eval_every: int = 2
     pause_modes: list[str] = field(default_factory=list)
+    # simulate bench (asyncrl simulate): steps per run are bench.steps; the first warmup_steps are
+    # left out of the means; sweeps of the async run (each empty: the scenario's value).
+    warmup_steps: int = 2
+    sweep_engine_devices: list[int] = field(default_factory=list)
+    sweep_max_staleness: list[int] = field(default_factory=list)
+    sweep_partial_rollout: list[bool] = field(default_factory=list)
 
 
 def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
@@ -95,6 +101,11 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
     for name in ("steps", "eval_every"):
         if getattr(b, name) < 1:
             problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= 1")
+    if b.warmup_steps < 0 or b.warmup_steps >= b.steps:
+        problems.append(f"bench.warmup_steps={b.warmup_steps!r}: must be in [0, bench.steps={b.steps})")
+    if any(d < 1 for d in b.sweep_engine_devices) or any(k < 0 for k in b.sweep_max_staleness):
+        problems.append(f"bench.sweep_engine_devices={b.sweep_engine_devices!r} / bench.sweep_max_staleness="
+                        f"{b.sweep_max_staleness!r}: devices >= 1, staleness >= 0")
     if b.curve_every < 0:
         problems.append(f"bench.curve_every={b.curve_every!r}: must be >= 0")
     if not 0 <= b.target_accuracy <= 1:

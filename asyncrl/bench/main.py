@@ -7,6 +7,7 @@ baseline in the same run.
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
     staleness     learning at staleness held exactly at k, per loss, against synchronous training
+    simulate      a scenario on simulated backends, colocated sync vs async (`asyncrl simulate SCENARIO`)
 
 `bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
 training config, composed and validated as `asyncrl train` does.
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
     "faults": "asyncrl.bench.faults:run_faults_bench",
     "staleness": "asyncrl.bench.staleness:run_staleness_bench",
+    "simulate": "asyncrl.bench.simulate:run_simulate_bench",
 }
 _selected: list[tuple[str, BenchConfig]] = []
 

@@ -15,8 +15,8 @@ from omegaconf import MISSING
 
 # The choices of the string-valued settings (validate.py checks them; the code that
 # acts on a setting imports its choices from here).
-ENGINE_BACKENDS = ("vllm",)
-TRAINER_BACKENDS = ("megatron",)
+ENGINE_BACKENDS = ("vllm", "sim")  # sim: asyncrl/engine/sim_engine.py
+TRAINER_BACKENDS = ("megatron", "sim")  # sim: asyncrl/trainer/sim_trainer.py
 DEVICES = ("cpu", "cuda")
 DATA_SOURCES = ("reasoning_gym", "file")
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
@@ -124,6 +124,33 @@ class AgentConfig:
 
 
 @dataclass
+class SimEngineConfig:
+    """engine.backend=sim: an engine that runs no model but takes the time one would, in
+    simulated seconds (asyncrl/engine/sim_engine.py; conf/engine/sim.yaml)."""
+
+    # One decode step of the running batch (continuous batching, every running request gains a
+    # token): decode_base_s + decode_per_seq_s x requests + decode_per_kv_token_s x their tokens so far.
+    decode_base_s: float = 0.01
+    decode_per_seq_s: float = 0.0
+    decode_per_kv_token_s: float = 0.0
+    prefill_per_token_s: float = 0.0  # a request's prompt, added to the step that admits it
+    # Prefill this many tokens per request; 0: the request's own prompt.
+    prompt_tokens: int = 0
+    # Response lengths: lognormal with this median and 99th percentile (tokens), cut at the
+    # request's max_new_tokens; or, when `length_hist` is given ([[tokens, count], ...]), drawn from it.
+    length_median: int = 512
+    length_p99: int = 4096
+    length_hist: list[list[int]] = field(default_factory=list)
+    load_s: float = 1.0  # loading new weights once received
+    # One simulated token stands for this many: lengths above are in tokens, a response gets one
+    # simulated token per block (rollout.max_new_tokens and engine.max_model_len count blocks),
+    # and each costs a block's decode steps here and a block's tokens in the simulated trainer.
+    # Long responses (28K tokens) then cost the control plane blocks, not tokens.
+    token_block: int = 1
+    seed: int = 0
+
+
+@dataclass
 class EngineConfig:
     backend: str = "vllm"
     num_engines: int = 1
@@ -154,6 +181,28 @@ class EngineConfig:
     cpu_prepack_weights: bool = True
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0
+    # Custom Ray resources each engine's placement bundle needs, to put engines on the nodes that
+    # offer them (`ray start --resources='{"engine_node": 8}'`; docs/scale.md, multi-node).
+    resources: dict[str, float] = field(default_factory=dict)
+    sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+
+
+@dataclass
+class SimTrainerConfig:
+    """trainer.backend=sim: one actor that trains nothing but takes the time the configured
+    trainer (tensor x pipeline x data parallel ranks) would, in simulated seconds
+    (asyncrl/trainer/sim_trainer.py; conf/trainer/sim.yaml)."""
+
+    # Forward + backward per token (prompt and response) on one model replica (tp x pp devices);
+    # data parallelism divides the tokens.
+    train_per_token_s: float = 1e-5
+    # A forward-only pass per token where the loss needs one (decoupled_ppo with several
+    # mini-batches: the proximal logprobs; kl_coef > 0: the reference's).
+    logprob_per_token_s: float = 3e-6
+    optimizer_s: float = 1.0  # per optimizer update
+    weight_bytes: int = 2 * 10**9  # the policy as broadcast to the engines
+    broadcast_bytes_per_s: float = 1e10  # trainer -> engines
+    setup_s: float = 0.0
 
 
 @dataclass
@@ -176,12 +225,14 @@ class TrainerConfig:
     total_steps: int = 100
     checkpoint_every: int = 0  # 0: only at the end
     num_cpus_per_rank: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per rank: see engine.resources
     cpu_cores: str = ""  # CPU only: cores the trainer ranks run on ("" = any); see engine.cpu_cores
     torch_threads: int = 0  # intra-op threads per rank; 0: max(1, int(num_cpus_per_rank))
     weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
     # Tensors of at least this size travel alone, so that engines can receive them straight into their parameters.
     weight_sync_in_place_mb: float = 1.0
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
+    sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
 
 
 @dataclass
@@ -230,6 +281,7 @@ class RolloutConfig:
     top_p: float = 1.0
     reward_timeout_s: float = 10.0
     num_cpus_per_worker: float = 0.5
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker: see engine.resources
     cpu_cores: str = ""  # CPU only: cores the rollout workers run on ("" = any); see engine.cpu_cores
 
 
@@ -271,6 +323,9 @@ class ClusterConfig:
     num_cpus: int | None = None  # embedded cluster only; None: all cores
     num_gpus: int = 0
     dashboard: bool = True
+    # Simulated seconds per real second, with engine.backend=sim and trainer.backend=sim: every time
+    # the run logs is then simulated time (timeouts stay real). 1 with real backends.
+    time_scale: float = 1.0
 
 
 @dataclass

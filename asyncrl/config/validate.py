@@ -204,6 +204,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     # trainer
     t = c.trainer
     one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
+    _check_sim(c, need, at_least)
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         within(f"trainer.{name}", getattr(t, name), 1, MAX_PARALLEL)
     within("trainer.micro_batch_size", t.micro_batch_size, 1, MAX_SAMPLES_PER_STEP)
@@ -295,6 +296,36 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for i, k in enumerate(c.eval.pass_k if c.eval.n_samples >= 1 else []):
         need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
     at_least("eval.temperature", c.eval.temperature, 0)
+
+
+def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
+    """Simulated backends come as a pair (the simulated broadcast carries no weights a real side could
+    use), and only they may run on a scaled clock."""
+    sim_engine, sim_trainer = c.engine.backend == "sim", c.trainer.backend == "sim"
+    need(sim_engine == sim_trainer, "engine.backend", c.engine.backend,
+         f"must be sim exactly when trainer.backend is (trainer.backend={c.trainer.backend}): use engine=sim "
+         "trainer=sim together")
+    need(c.cluster.time_scale > 0, "cluster.time_scale", c.cluster.time_scale, "must be > 0")
+    need(c.cluster.time_scale == 1 or (sim_engine and sim_trainer), "cluster.time_scale", c.cluster.time_scale,
+         "must be 1 unless engine.backend and trainer.backend are sim (real engines run in real time)")
+    e = c.engine.sim
+    for key in ("decode_base_s", "decode_per_seq_s", "decode_per_kv_token_s", "prefill_per_token_s", "load_s"):
+        at_least(f"engine.sim.{key}", getattr(e, key), 0)
+    at_least("engine.sim.prompt_tokens", e.prompt_tokens, 0, "0: the prompt's own length")
+    at_least("engine.sim.length_median", e.length_median, 1)
+    at_least("engine.sim.token_block", e.token_block, 1)
+    need(e.length_p99 >= e.length_median, "engine.sim.length_p99", e.length_p99,
+         f"must be >= engine.sim.length_median={e.length_median}")
+    need(all(len(row) == 2 and row[0] >= 1 and row[1] >= 0 for row in e.length_hist)
+         and (not e.length_hist or sum(row[1] for row in e.length_hist) > 0),
+         "engine.sim.length_hist", e.length_hist, "must be [[tokens >= 1, count >= 0], ...] with some count > 0")
+    need(c.engine.sim.decode_base_s + c.engine.sim.decode_per_seq_s > 0 or not sim_engine, "engine.sim.decode_base_s",
+         e.decode_base_s, "a decode step must take time (or engine.sim.decode_per_seq_s > 0)")
+    s = c.trainer.sim
+    for key in ("train_per_token_s", "logprob_per_token_s", "optimizer_s", "setup_s"):
+        at_least(f"trainer.sim.{key}", getattr(s, key), 0)
+    at_least("trainer.sim.weight_bytes", s.weight_bytes, 0)
+    need(s.broadcast_bytes_per_s > 0, "trainer.sim.broadcast_bytes_per_s", s.broadcast_bytes_per_s, "must be > 0")
 
 
 def _check_cores(key: str, spec: str, cluster_address: str, problems: list[str]) -> None:

@@ -246,7 +246,8 @@ class EngineActor:
         """Add the time since the last change of the outstanding requests to the activity totals."""
         now = time.monotonic()
         dt, n = now - self._activity_at, len(self._outstanding)
-        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt)
+        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt,
+                                        time.process_time())
         self._activity_at = now
 
     def activity(self) -> EngineActivity:

@@ -73,7 +73,7 @@ class MessageQueue:
 
     def stats(self) -> QueueStats:
         return QueueStats(len(self._items), self.capacity, self.produced, self.consumed, self.producer_wait_s,
-                          self.consumer_wait_s, dict(sorted(self.staleness_histogram.items())))
+                          self.consumer_wait_s, dict(sorted(self.staleness_histogram.items())), time.process_time())
 
     def prompt_ids(self) -> list[str]:
         """The prompts whose groups are queued."""

@@ -224,7 +224,8 @@ class RolloutWorker:
                        engine_failovers=self.router.failovers if self.router else 0,
                        failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
                        tool_errors=dict(self.stats.tool_errors),
-                       engine_outstanding=list(self.router.outstanding) if self.router else [])
+                       engine_outstanding=list(self.router.outstanding) if self.router else [],
+                       cpu_s=time.process_time())
 
     def _count(self, failure: Failure) -> None:
         self.stats.failures[failure.code] = self.stats.failures.get(failure.code, 0) + 1

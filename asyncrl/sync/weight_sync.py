@@ -20,6 +20,7 @@ import time
 
 import ray
 
+from asyncrl.clock import Clock
 from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
 from asyncrl.sync.collective import BucketPlan
 
@@ -41,7 +42,7 @@ class EnginesFailed(RuntimeError):
 class WeightSync:
     """Driver-side coordination of the weight broadcast between one TrainerGroup and the engines."""
 
-    def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0):
+    def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0, clock: Clock | None = None):
         self.trainer = trainer  # a TrainerGroup
         self.engines = engines  # EngineActor handles
         self.backend = backend  # "gloo" on CPU, "nccl" on GPUs
@@ -49,6 +50,7 @@ class WeightSync:
         self.connected = False
         self.plan: BucketPlan | None = None  # the trainer's, once connected
         self.world_size = 0
+        self.clock = clock or Clock()  # the timings' (simulated seconds with simulated backends)
 
     def connect(self) -> float:
         """Form the broadcast group (trainer rank 0 + every vLLM worker); returns seconds taken."""
@@ -79,15 +81,15 @@ class WeightSync:
         `newest`: the trainer's current weights even with algorithm.policy_lag."""
         if not self.connected:
             self.connect()
-        ts = time.monotonic()
+        ts = self.clock.now()
         sent = self.trainer.stage_weights(version, newest)  # export + pack while the engines still generate
-        t0 = time.monotonic()
+        t0 = self.clock.now()
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.broadcast_weights_async()
         # With algorithm.policy_lag the trainer sends an older version; the engines stamp that one.
         received = self._updates([e.update_weights.remote(sent.version, pause_mode) for e in self.engines], version)
         self.trainer.get(sent_refs)
-        t1 = time.monotonic()
+        t1 = self.clock.now()
         for i, r in enumerate(received):
             if r.checksums != sent.checksums:
                 bad = [n for n in sent.checksums if r.checksums.get(n) != sent.checksums[n]]

@@ -1,0 +1,324 @@
+"""SimEngine (`engine.backend=sim`): EngineActor's interface with a latency model in place of
+vLLM, so the real control plane (driver, rollout workers and their request channels, agent
+loops, queue, admission, sync coordination) runs at a scale this machine cannot generate at.
+
+The model (engine.sim, in simulated seconds; asyncrl.clock turns them into real ones):
+  - continuous batching: requests join the running batch (at most engine.max_num_seqs) at a
+    step boundary; a decode step gives every running request one token and takes
+    decode_base_s + decode_per_seq_s * batch + decode_per_kv_token_s * (tokens in the batch's
+    contexts); a request's prefill (its prompt, or engine.sim.prompt_tokens) is added to the
+    step that admits it;
+  - each response's length is drawn from a distribution (lognormal with a median and a 99th
+    percentile, or a histogram), cut at rollout.max_new_tokens ("length"; otherwise "stop");
+  - with engine.sim.token_block = k each simulated token stands for k tokens (lengths and costs
+    are in tokens, responses in blocks), so long responses cost the control plane k times less;
+  - pause("abort") ends every request with the tokens it has so far; pause("keep") freezes them
+    until resume(); every token carries the version the engine held when it was produced;
+  - a weight update pauses, waits the broadcast's time and engine.sim.load_s, and resumes.
+
+Between events (an arrival, a request finishing, a pause) the engine sleeps for the whole run
+of decode steps at once: its cost is per event, not per token.
+
+A response repeats one token, drawn from SIM_TOKENS when it starts (the rewards of simulated runs
+are not what they measure). That token and the prompt seed its length, so a response that was
+aborted and is continued (the prompt then ends with the g tokens it had, g = rollout.max_new_tokens
+minus the request's budget) gets the same length as if it had not been: interrupted equals
+uninterrupted, as on the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.clock import Clock
+from asyncrl.config.schema import EngineConfig, SimEngineConfig
+from asyncrl.inference.channel import ChannelAddress, ChannelServer
+from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
+from asyncrl.types import GenerationResult, SamplingSpec
+
+PAUSE_MODES = ("abort", "keep")
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+NUM_SIM_TOKENS = 64  # distinct response tokens: the n samples of a prompt rarely share one (and their length)
+
+
+class DecodeModel:
+    """The time of decode steps over a batch whose size is fixed between events."""
+
+    def __init__(self, c: SimEngineConfig):
+        self.c = c
+
+    def steps_s(self, n: int, batch: int, context: int) -> float:
+        """Seconds for n decode steps of `batch` requests holding `context` tokens at the first:
+        the context grows by `batch` tokens a step."""
+        c = self.c
+        per_step = c.decode_base_s + c.decode_per_seq_s * batch
+        return n * per_step + c.decode_per_kv_token_s * (n * context + batch * n * (n - 1) / 2)
+
+    def steps_within(self, seconds: float, n: int, batch: int, context: int) -> int:
+        """The most steps (at most n) that fit in `seconds`."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.steps_s(mid, batch, context) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        return self.c.prefill_per_token_s * prompt_tokens
+
+
+class LengthModel:
+    """Response lengths: a lognormal through (median, p99), or a histogram [[tokens, count], ...]."""
+
+    def __init__(self, c: SimEngineConfig):
+        self.median = c.length_median
+        self.sigma = math.log(c.length_p99 / c.length_median) / Z99
+        self.values = [int(t) for t, _ in c.length_hist]
+        counts = [n for _, n in c.length_hist]
+        self.cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+
+    def draw(self, rng: random.Random) -> int:
+        """A response length in tokens."""
+        if self.values:
+            i = bisect_left(self.cumulative, rng.random() * self.cumulative[-1])
+            return max(1, self.values[min(i, len(self.values) - 1)])
+        return max(1, round(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))))
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_tokens: int  # what its prefill costs, in tokens
+    target: int  # simulated tokens it will generate unless stopped (blocks: engine.sim.token_block)
+    token_id: int
+    done: asyncio.Future
+    stop: bool  # the response ends before its budget ("stop"), or at it ("length")
+    tokens: int = 0
+    versions: list[int] = field(default_factory=list)
+
+    def result(self, finish_reason: str) -> GenerationResult:
+        return GenerationResult([self.token_id] * self.tokens, [-1.0] * self.tokens, self.versions, finish_reason)
+
+
+class SimEngine:
+    """An engine of simulated time with EngineActor's methods (the driver, the workers' routers
+    and WeightSync cannot tell them apart)."""
+
+    def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
+                 stream_outputs: bool = True, time_scale: float = 1.0, receive_s: float = 0.0,
+                 max_new_tokens: int = 1 << 20):
+        self.engine_id = engine_id
+        self.cfg = engine
+        self.stream_outputs = stream_outputs
+        self.clock = Clock(time_scale)
+        self.receive_s = receive_s  # the trainer's broadcast, as this engine waits for it
+        self.decode = DecodeModel(engine.sim)
+        self.rng = random.Random(engine.sim.seed * 1_000_003 + engine_id)
+        self.lengths = LengthModel(engine.sim)
+        self.max_new_tokens = max_new_tokens  # a response's whole budget (rollout.max_new_tokens)
+        vocab = _vocab_size(model_path)
+        self.sim_tokens = range(max(1, vocab - NUM_SIM_TOKENS), vocab)
+        self.version = 0
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._outstanding = 0
+        self._prefill_debt = 0.0  # admitted requests' prefill not yet spent
+        self._paused = False
+        self._accepting = asyncio.Event()
+        self._accepting.set()
+        self._wake = asyncio.Event()  # an arrival, a pause or a resume
+        self._still = asyncio.Event()  # set while the scheduler is not stepping
+        self._still.set()
+        self._activity = EngineActivity(0.0, 0.0)
+        self._activity_at = self.clock.now()
+        self._scheduler: asyncio.Task | None = None
+        self._channel: ChannelServer | None = None
+        self._channel_address: ChannelAddress | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> EngineStartInfo:
+        self._scheduler = asyncio.ensure_future(self._schedule())
+        return EngineStartInfo(start_s=0.0, rss_gib=0.0, cpu_cores=[], vllm_processes=[],
+                               model_in_engine_core=False, plain_weights=False)
+
+    async def open_channel(self) -> ChannelAddress:
+        if self._channel_address is None:
+            import ray
+
+            self._channel = ChannelServer(self.generate, f"engine-{self.engine_id}")
+            self._channel_address = await self._channel.start(ray.util.get_node_ip_address())
+        return self._channel_address
+
+    async def health(self) -> float:
+        if self._scheduler is not None and self._scheduler.done():
+            self._scheduler.result()  # raises what stopped it
+        return 0.0
+
+    async def shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+
+    # -- generation --------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
+        await self._accepting.wait()
+        token_id, had, length = self._response(prompt_token_ids, sampling.max_new_tokens)
+        block = self.cfg.sim.token_block
+        left = max(0, -(-length // block) - had)  # in blocks
+        prompt = (self.cfg.sim.prompt_tokens or len(prompt_token_ids) - had) + had * block  # in tokens
+        request = _Request(request_id, prompt, min(left, sampling.max_new_tokens), token_id,
+                           asyncio.get_running_loop().create_future(), stop=left < sampling.max_new_tokens)
+        if not request.target:
+            return request.result("stop" if request.stop else "length")
+        self._account(+1)
+        self._waiting.append(request)
+        self._wake.set()
+        try:
+            return await request.done
+        finally:
+            self._account(-1)
+
+    def _response(self, prompt: list[int], budget: int) -> tuple[int, int, int]:
+        """(its token, tokens it already had, its whole length) for the response this request
+        continues: one that was aborted after g tokens, or a new one."""
+        had = self.max_new_tokens - budget
+        if 0 < had < len(prompt) and prompt[-1] in self.sim_tokens and prompt[-had:].count(prompt[-1]) == had:
+            token_id, head = prompt[-1], prompt[:-had]
+        else:
+            token_id, head, had = self.rng.choice(self.sim_tokens), prompt, 0
+        length = self.lengths.draw(random.Random(hash((tuple(head), token_id, self.cfg.sim.seed))))
+        return token_id, had, length
+
+    async def _schedule(self) -> None:
+        """Admit, step until the next event, hand out tokens; forever."""
+        while True:
+            if self._paused or not (self._waiting or self._running):
+                self._still.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._still.clear()
+            while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+                request = self._waiting.pop(0)
+                self._prefill_debt += self.decode.prefill_s(request.prompt_tokens)
+                self._running.append(request)
+            batch = len(self._running)
+            block = self.cfg.sim.token_block  # a simulated token is a block of decode steps
+            context = sum(r.prompt_tokens + r.tokens * block for r in self._running)
+            n = min(r.target - r.tokens for r in self._running)
+            t0 = self.clock.now()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(),
+                                       self.clock.real(self._prefill_debt
+                                                       + self.decode.steps_s(n * block, batch, context)))
+                spent = self.clock.now() - t0  # woken early: the steps that fitted
+                decode_s = max(0.0, spent - self._prefill_debt)
+                self._prefill_debt = max(0.0, self._prefill_debt - spent)
+                steps = self.decode.steps_within(decode_s, n * block, batch, context) // block
+            except TimeoutError:
+                self._prefill_debt = 0.0
+                steps = n
+            self._advance(steps)
+
+    def _advance(self, steps: int) -> None:
+        """Every running request gains `steps` tokens of this version; the finished leave."""
+        if not steps:
+            return
+        still = []
+        for r in self._running:
+            r.tokens += steps
+            r.versions += [self.version] * steps
+            if r.tokens >= r.target:
+                r.done.set_result(r.result("stop" if r.stop else "length"))
+            else:
+                still.append(r)
+        self._running = still
+
+    def num_outstanding(self) -> int:
+        return self._outstanding
+
+    def _account(self, change: int = 0) -> None:
+        now = self.clock.now()
+        dt, n = now - self._activity_at, self._outstanding
+        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt,
+                                        time.process_time())
+        self._activity_at = now
+        self._outstanding += change
+
+    def activity(self) -> EngineActivity:
+        self._account()
+        return self._activity
+
+    def get_version(self) -> int:
+        return self.version
+
+    # -- weight updates ----------------------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> float:
+        """`abort`: every request ends now with its tokens so far; `keep`: they wait for resume()."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+        if mode == "keep" and not self.stream_outputs:
+            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
+                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
+        t0 = self.clock.now()
+        self._accepting.clear()
+        self._paused = True
+        self._wake.set()
+        await self._still.wait()  # the scheduler handed out the tokens of the steps it was in
+        if mode == "abort":
+            for r in self._running + self._waiting:
+                r.done.set_result(r.result("abort"))
+            self._running, self._waiting, self._prefill_debt = [], [], 0.0
+        return self.clock.now() - t0
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._accepting.set()
+        self._wake.set()
+
+    async def load_weights(self, state_dict: dict, version: int) -> float:
+        await self.clock.asleep(self.cfg.sim.load_s)
+        self.version = version
+        return self.cfg.sim.load_s
+
+    def num_workers(self) -> int:
+        return 1
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
+                                plan_wire: list, timeout_s: float) -> None:
+        """Nothing to join: the broadcast is a wait of its simulated time."""
+
+    async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:
+        """pause -> the broadcast's time -> load_s -> become `version` -> resume."""
+        t0 = self.clock.now()
+        pause_s = await self.pause(pause_mode)
+        await self.clock.asleep(self.receive_s + self.cfg.sim.load_s)
+        self.version = version
+        t1 = self.clock.now()
+        await self.resume()
+        t2 = self.clock.now()
+        return WeightUpdateReport(pause_s=pause_s, broadcast_load_s=t1 - t0 - pause_s, receive_s=self.receive_s,
+                                  load_s=self.cfg.sim.load_s, resume_s=t2 - t1, paused_s=t2 - t0, load_path="sim",
+                                  in_place_bytes=0, checksums={})
+
+
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary (its config.json), for token ids the tokenizer knows."""
+    try:
+        return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError):
+        return 32000

@@ -1,0 +1,203 @@
+"""Simulated backends: the latency and length models by hand, the simulated engine's request
+lifecycle (batching, abort / keep, versions, interrupted == uninterrupted) in asyncio, the
+simulated trainer's cost and staleness accounting, and the control-plane metrics."""
+
+import asyncio
+import random
+import statistics
+
+import pytest
+
+from asyncrl.clock import Clock
+from asyncrl.config.schema import EngineConfig, SimEngineConfig
+from asyncrl.driver import control_plane_metrics
+from asyncrl.engine.sim_engine import DecodeModel, LengthModel, SimEngine
+from asyncrl.run_config import load_config
+from asyncrl.trainer.batch import TrainSample
+from asyncrl.trainer.sim_trainer import SimTrainerRank, staleness_metrics
+from asyncrl.types import SamplingSpec
+
+MODEL = "recipes/arith/base_model"
+
+
+def test_decode_steps_cost_as_the_formula_says():
+    m = DecodeModel(SimEngineConfig(decode_base_s=0.01, decode_per_seq_s=0.001, decode_per_kv_token_s=1e-6))
+    # 3 steps of 2 requests from 100 context tokens: 3 x (0.01 + 2 x 0.001) + 1e-6 x (100 + 102 + 104)
+    assert m.steps_s(3, 2, 100) == pytest.approx(0.036 + 306e-6)
+    assert m.steps_s(0, 2, 100) == 0
+    assert m.steps_within(m.steps_s(3, 2, 100), 10, 2, 100) == 3
+    assert m.steps_within(m.steps_s(3, 2, 100) - 1e-9, 10, 2, 100) == 2
+    assert m.steps_within(99.0, 10, 2, 100) == 10  # never more than the steps to the next event
+    assert DecodeModel(SimEngineConfig(prefill_per_token_s=2e-4)).prefill_s(500) == pytest.approx(0.1)
+
+
+def test_lengths_follow_the_configured_median_and_p99():
+    rng = random.Random(0)
+    draws = sorted(LengthModel(SimEngineConfig(length_median=1000, length_p99=8000)).draw(rng)
+                   for _ in range(20000))
+    assert statistics.median(draws) == pytest.approx(1000, rel=0.04)
+    assert draws[int(0.99 * len(draws))] == pytest.approx(8000, rel=0.1)
+    hist = LengthModel(SimEngineConfig(length_hist=[[10, 1], [50, 3]]))
+    draws = [hist.draw(rng) for _ in range(4000)]
+    assert set(draws) == {10, 50}
+    assert draws.count(50) / len(draws) == pytest.approx(0.75, abs=0.03)
+
+
+def _engine(scale: float = 200.0, **sim) -> SimEngine:
+    cfg = EngineConfig(backend="sim", max_num_seqs=4, sim=SimEngineConfig(**sim))
+    return SimEngine(0, MODEL, MODEL, cfg, "cpu", stream_outputs=True, time_scale=scale, max_new_tokens=64)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_batch_decodes_in_the_model_s_time_and_stamps_its_version():
+    async def go():
+        engine = _engine(decode_base_s=1.0, length_median=64, length_p99=64)  # every response is cut at 64
+        await engine.start()
+        engine.version = 3
+        t0 = engine.clock.now()
+        results = await asyncio.gather(*(engine.generate([1, 2, 3], SamplingSpec(max_new_tokens=64), f"r{i}")
+                                         for i in range(4)))
+        return engine.clock.now() - t0, results, engine.activity()
+
+    elapsed, results, activity = _run(go())
+    # four requests in one batch: 64 steps of 1 simulated second, not 4 x 64
+    assert 64 <= elapsed < 64 * 1.5
+    for r in results:
+        assert (len(r.token_ids), r.finish_reason, set(r.versions)) == (64, "length", {3})
+        assert len(set(r.token_ids)) == 1 and len(r.logprobs) == 64
+    assert activity.busy_s == pytest.approx(elapsed, rel=0.05)
+    assert activity.request_s == pytest.approx(4 * elapsed, rel=0.05)
+
+
+def test_requests_beyond_max_num_seqs_wait_for_room():
+    async def go():
+        engine = _engine(decode_base_s=1.0, length_median=10, length_p99=10)
+        await engine.start()
+        t0 = engine.clock.now()
+        await asyncio.gather(*(engine.generate([1], SamplingSpec(max_new_tokens=64), f"r{i}") for i in range(8)))
+        return engine.clock.now() - t0
+
+    assert 20 <= _run(go()) < 30  # two batches of four, 10 steps each
+
+
+def test_abort_returns_the_tokens_so_far_and_the_continuation_ends_where_an_uninterrupted_one_does():
+    async def go():
+        engine = _engine(scale=50.0, decode_base_s=1.0, length_median=20, length_p99=40)
+        await engine.start()
+        return await engine.generate([5, 6, 7], SamplingSpec(max_new_tokens=64), "a")
+
+    whole = _run(go())
+    assert whole.finish_reason == "stop" and 0 < len(whole.token_ids) < 64
+
+    async def interrupted():  # a fresh engine draws the same response token first, so the same response
+        e = _engine(scale=50.0, decode_base_s=1.0, length_median=20, length_p99=40)
+        await e.start()
+        request = asyncio.ensure_future(e.generate([5, 6, 7], SamplingSpec(max_new_tokens=64), "b"))
+        await asyncio.sleep(e.clock.real(3.5))
+        await e.pause("abort")
+        first = await request
+        await e.resume()
+        rest = await e.generate([5, 6, 7, *first.token_ids],
+                                SamplingSpec(max_new_tokens=64 - len(first.token_ids)), "c")
+        return first, rest
+
+    first, rest = _run(interrupted())
+    assert first.finish_reason == "abort" and 1 <= len(first.token_ids) < len(whole.token_ids)
+    assert first.token_ids + rest.token_ids == whole.token_ids
+    assert rest.finish_reason == whole.finish_reason
+
+
+def test_keep_freezes_requests_and_stamps_later_tokens_with_the_new_version():
+    async def go():
+        engine = _engine(scale=50.0, decode_base_s=1.0, length_median=12, length_p99=12)
+        await engine.start()
+        request = asyncio.ensure_future(engine.generate([1], SamplingSpec(max_new_tokens=64), "k"))
+        await asyncio.sleep(engine.clock.real(4.5))
+        report = await engine.update_weights(1, "keep")
+        return await request, report
+
+    result, report = _run(go())
+    assert result.finish_reason == "stop" and len(result.token_ids) == 12
+    assert result.versions[0] == 0 and result.versions[-1] == 1
+    assert result.versions == sorted(result.versions)
+    assert report.load_path == "sim" and report.checksums == {}
+
+
+def test_pause_mode_is_checked():
+    with pytest.raises(ValueError, match="pause mode"):
+        _run(_engine().pause("later"))
+
+
+def _sample(versions: list[int], mask: list[int]) -> TrainSample:
+    return TrainSample(tokens=[1] * (2 + len(versions)), prompt_len=2, mu=[0.0] * len(versions), mask=mask,
+                       versions=versions, advantage=0.0)
+
+
+def test_staleness_metrics_count_trained_tokens_only():
+    samples = [_sample([5, 5, 4], [1, 1, 1]), _sample([3, -1, 4], [1, 0, 1])]
+    m = staleness_metrics(samples, policy_version=5, max_staleness=2)
+    # ages of the trained tokens: 0, 0, 1, 2, 1
+    assert m["train/staleness_mean"] == pytest.approx(4 / 5)
+    assert m["train/staleness_max"] == 2
+    assert [m[f"train/staleness_share_{s}_mean"] for s in range(3)] == pytest.approx([0.4, 0.4, 0.2])
+
+
+def test_sim_trainer_cost_and_lagged_versions():
+    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.data_parallel_size=4",
+                       "trainer.sim.train_per_token_s=0.01", "trainer.sim.logprob_per_token_s=0.002",
+                       "trainer.sim.optimizer_s=0.5", "algorithm.policy_lag=1", "algorithm.max_staleness=1"])
+    rank = SimTrainerRank(cfg, 0, 1)
+    assert rank.step_s(tokens=400, updates=2) == pytest.approx(400 * 0.01 / 4 + 2 * 0.5)
+    lossy = load_config(["recipe=arith", "engine=sim", "trainer=sim", "algorithm.loss.type=decoupled_ppo",
+                         "trainer.mini_batches_per_step=2", "trainer.sim.train_per_token_s=0.01",
+                         "trainer.sim.logprob_per_token_s=0.002", "trainer.sim.optimizer_s=0"])
+    assert SimTrainerRank(lossy, 0, 1).step_s(100, 2) == pytest.approx(100 * 0.012)  # + the proximal pass
+    rank.setup("", 0)
+    assert [rank.stage_weights(v).version for v in (1, 2, 3)] == [0, 1, 2]  # one version behind
+    assert rank.stage_weights(4, newest=True).version == 4
+
+
+def test_control_plane_metrics_take_the_busiest_process_of_each_role():
+    before = {("driver",): 10.0, ("queue",): 1.0, ("worker", 0): 5.0, ("worker", 1): 2.0, ("engine", "e0"): 1.0}
+    after = {("driver",): 10.5, ("queue",): 1.1, ("worker", 0): 5.2, ("worker", 1): 2.9, ("engine", "e0"): 1.3,
+             ("engine", "e1"): 0.4}  # e1 is new since: left out
+    m = control_plane_metrics(after, before, step_s=10.0)
+    assert m == pytest.approx({"control/driver_cpu_s": 0.5, "control/queue_cpu_s": 0.1, "control/worker_cpu_s": 0.9,
+                               "control/engine_cpu_s": 0.3, "control/busiest_share": 0.09})
+    restarted = control_plane_metrics({("queue",): 0.2}, {("queue",): 1.1}, 1.0)  # a new queue process
+    assert restarted == {}
+
+
+def test_sim_backends_come_as_a_pair_and_only_they_scale_time():
+    from asyncrl.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.backend='sim': must be sim exactly when trainer.backend is"):
+        load_config(["recipe=arith", "engine=sim"])
+    with pytest.raises(ConfigError, match="cluster.time_scale=10.0: must be 1 unless"):
+        load_config(["recipe=arith", "cluster.time_scale=10"])
+    with pytest.raises(ConfigError, match="engine.sim.length_p99=5: must be >= engine.sim.length_median=50"):
+        load_config(["recipe=arith", "engine=sim", "trainer=sim", "engine.sim.length_median=50",
+                     "engine.sim.length_p99=5"])
+
+
+def test_clock_scales_time():
+    clock = Clock(100.0)
+    assert clock.real(50.0) == 0.5
+    with pytest.raises(ValueError):
+        Clock(0)
+
+
+def test_a_token_block_stands_for_its_tokens_in_time_and_length():
+    async def go():
+        engine = _engine(decode_base_s=1.0, length_median=640, length_p99=640, token_block=64)
+        await engine.start()
+        t0 = engine.clock.now()
+        result = await engine.generate([1, 2], SamplingSpec(max_new_tokens=64), "b")
+        return engine.clock.now() - t0, result
+
+    elapsed, result = _run(go())
+    assert len(result.token_ids) == 10 and result.finish_reason == "stop"  # 640 tokens in blocks of 64
+    assert 640 <= elapsed < 640 * 1.5  # a decode step per token, not per block
