@@ -2,8 +2,8 @@
 and that it checkpoints there.
 
 Ctrl-C and a fault the run cannot survive must both leave no Ray or vLLM process behind; a
-run submitted with `ray job submit` to a `ray start --head` cluster on loopback trains and
-checkpoints."""
+run submitted with `ray job submit` to a two-node cluster on loopback places its actors by the
+nodes' resources, trains and checkpoints."""
 
 from __future__ import annotations
 
@@ -117,9 +117,11 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
     assert leftovers(tag) == {}
 
 
-def test_a_run_under_ray_job_submit_trains_and_checkpoints(tmp_path):
-    """Submitted to a `ray start --head` cluster on loopback, a run trains and checkpoints at
-    step 2 (trainer state, queue contents, loop snapshots, ledger, the driver's state)."""
+def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path):
+    """Submitted to a two-node Ray cluster on loopback (`ray start --head`, then a second raylet
+    joining it), a run places its engine on the node offering `engine_node` and its trainer on the
+    one offering `trainer_node`, trains with weight syncs across them, and checkpoints at step 2
+    (trainer state, queue contents, loop snapshots, ledger, the driver's state)."""
     # The test stops exactly this cluster's processes by their tag (`ray stop` would stop every Ray
     # cluster on the machine, the test session's own included).
     tag = cluster_tag()
@@ -129,15 +131,23 @@ def test_a_run_under_ray_job_submit_trains_and_checkpoints(tmp_path):
     dashboard = free_port()
     ports = [f"--{name}-port={free_port()}" for name in ("dashboard-agent-listen", "dashboard-agent-grpc",
                                                           "runtime-env-agent", "metrics-export")]
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-                    "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-                    "--disable-usage-stats", *ports], check=True, capture_output=True, env=env, timeout=120)
+    gcs = free_port()
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                    "--num-cpus=1", "--resources", json.dumps({"trainer_node": 1}), "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dashboard}", "--disable-usage-stats", *ports],
+                   check=True, capture_output=True, env=env, timeout=120)
     first = tmp_path / "job_run"
     try:
+        ports = [f"--{name}-port={free_port()}" for name in ("dashboard-agent-listen", "dashboard-agent-grpc",
+                                                              "runtime-env-agent", "metrics-export")]
+        subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1",
+                        "--num-cpus=1", "--resources", json.dumps({"engine_node": 1}), "--disable-usage-stats",
+                        *ports], check=True, capture_output=True, env=env, timeout=120)
         cmd = [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dashboard}", f"--working-dir={REPO}",
                "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
                sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
-               "cluster.address=auto", f"run.output_dir={first}"]
+               "cluster.address=auto", f"run.output_dir={first}",
+               "+engine.resources.engine_node=1", "+trainer.resources.trainer_node=1"]
         deadline = time.monotonic() + 120
         while True:  # the head's job agent registers a while after `ray start` returns
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -147,6 +157,14 @@ def test_a_run_under_ray_job_submit_trains_and_checkpoints(tmp_path):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         assert "succeeded" in out.stdout and "-> final accuracy" in out.stdout
         check_run(first, eta=1)
+        nodes = json.loads(subprocess.run([ray_bin, "list", "nodes", "--format", "json", "--detail",
+                                           f"--address=http://127.0.0.1:{dashboard}"], capture_output=True,
+                                          text=True, env=env, timeout=60, check=True).stdout)
+        offering = {r: n["node_id"] for n in nodes for r in ("engine_node", "trainer_node")
+                    if r in n["resources_total"]}
+        placement = json.loads((first / "summary.json").read_text())["placement"]
+        assert placement["engine-0"] == offering["engine_node"] != offering["trainer_node"]
+        assert placement["trainer-rank-0"] == offering["trainer_node"]
     finally:
         kill_tagged(tag)
 
