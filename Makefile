@@ -42,8 +42,9 @@ bench: venv base-model
 	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=7 | tee build/bench/weight_sync.log
 	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=11 engine.cpu_prepack_weights=false \
 		| tee build/bench/weight_sync_plain.log
-	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=90 bench.repeats=2 \
-		eval.num_problems=200 eval.n_samples=2 "eval.pass_k=[1,2]" | tee build/bench/sync_vs_async.log
+	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.curve_every=4 \
+		bench.target_accuracy=0.3 eval.num_problems=200 eval.n_samples=1 "eval.pass_k=[1]" \
+		| tee build/bench/sync_vs_async.log
 	$(BIN)/asyncrl bench faults recipe=arith trainer.total_steps=30 | tee build/bench/faults.log
 	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
 

@@ -3,6 +3,7 @@ lifecycle (batching, abort / keep, versions, interrupted == uninterrupted) in as
 simulated trainer's cost and staleness accounting, and the control-plane metrics."""
 
 import asyncio
+import json
 import random
 import statistics
 
@@ -201,3 +202,41 @@ def test_a_token_block_stands_for_its_tokens_in_time_and_length():
     elapsed, result = _run(go())
     assert len(result.token_ids) == 10 and result.finish_reason == "stop"  # 640 tokens in blocks of 64
     assert 640 <= elapsed < 640 * 1.5  # a decode step per token, not per block
+
+
+SMALL_SCENARIO = ["engine.num_engines=4", "trainer.data_parallel_size=4", "rollout.num_workers=2",
+                  "rollout.max_concurrent_loops=32", "algorithm.prompts_per_step=8", "algorithm.n_samples_per_prompt=4",
+                  "bench.steps=4", "bench.warmup_steps=1", "logging.wandb.enabled=false", "cluster.dashboard=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_simulate_runs_a_scenario_through_the_real_control_plane(tmp_path, base_model):
+    """`asyncrl simulate` on a small cut of the 128-GPU scenario: both runs keep the invariants of
+    a real run (every prompt accounted for, the staleness bound, a sync a step), log simulated
+    seconds as the model says, and report the control plane's own CPU time."""
+    from tests.conftest import run_cli
+    from tests.test_train_e2e import check_run
+
+    out = run_cli("simulate", "sim_math7b_128gpu", *SMALL_SCENARIO, f"run.output_dir={tmp_path}", cwd=tmp_path,
+                  timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "simulate" and result["devices"] == 8 and result["split"] == "4:4"
+    assert result["prompts_lost"] == 0
+    check_run(tmp_path / "sync", eta=0, steps=4, batch=8, plots=False, weights=False)
+    check_run(tmp_path / "async", eta=2, steps=4, batch=8, plots=False, weights=False)
+    steps = [r for r in map(json.loads, (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines())
+             if "throughput/step_s" in r]
+    # The scenario's trainer on the 8 devices of the colocated run: 32 samples of 300 prompt
+    # tokens and their responses' blocks of 64 tokens, at 0.88 + 0.29 ms a token (the proximal
+    # pass), over 8 ranks, plus 16 optimizer updates of 0.3 s; a step waits for it.
+    for r in steps:
+        model_s = (32 * 300 + r["train/tokens"] * 64) * (0.00088 + 0.00029) / 8 + 16 * 0.3
+        assert model_s <= r["train/step_s"] < model_s * 1.3 + 1
+        assert r["throughput/step_s"] > r["train/step_s"]
+    assert result["sync_step_s"] > 60 and result["async_step_s"] > 0 and result["speedup"] > 0
+    assert 0 <= result["trainer_idle"] <= 1 and 0 <= result["engine_idle"] <= 1
+    assert 0 < result["staleness_mean"] <= 2
+    assert set(result["control_cpu_s"]) == {"driver", "queue", "worker", "engine"}
+    assert 0 < result["control_plane_s_per_step"] and result["control_plane_share"] < 0.05

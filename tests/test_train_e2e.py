@@ -39,10 +39,11 @@ MODES = {
 
 
 def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, plots: bool = True,
-              faults: bool = False) -> dict:
+              faults: bool = False, weights: bool = True) -> dict:
     """The invariants of a finished run: every admitted prompt accounted for, no trained token
     staler than eta, a sync after every step. steps=None: as many as the run took (at least 1).
-    faults: the run recovered from faults (steps done again after a restart are logged twice)."""
+    faults: the run recovered from faults (steps done again after a restart are logged twice).
+    weights: the run exported a policy (simulated backends train none)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = steps or summary["steps"]
     assert summary["steps"] == steps >= 1 and summary["samples"] > 0
@@ -65,7 +66,7 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
     # utilization: the mean requests running over the engines' concurrency; above 0 exactly when
     # an engine was busy (evaluation's requests come on top of the loops', hence the clip at 1)
     assert all(0 <= r["util/engines"] <= 1 and (r["util/engines"] > 0) == (r["idle/engines"] < 1) for r in trained)
-    assert (run_dir / "final_policy" / "model.safetensors").is_file()
+    assert (run_dir / "final_policy" / ("model.safetensors" if weights else "SIMULATED")).is_file()
     if plots:  # `asyncrl train` draws them; a benchmark's runs have none
         assert (run_dir / "plots.png").stat().st_size > 10_000
     return summary
