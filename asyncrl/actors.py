@@ -85,7 +85,8 @@ def engine_concurrency(cfg: Config) -> int:
     """The most requests one engine can be running: what the workers' loops can send it, at most
     its own batch (the denominator of the engines' utilization)."""
     sent = -(-cfg.rollout.num_workers * cfg.rollout.max_concurrent_loops // cfg.engine.num_engines)
-    return max(1, min(cfg.engine.max_num_seqs, sent))
+    batch = cfg.engine.max_num_seqs * (cfg.engine.sim.replicas if cfg.engine.backend == "sim" else 1)
+    return max(1, min(batch, sent))
 
 
 # -- placement ------------------------------------------------------------------------

@@ -204,9 +204,11 @@ def test_a_token_block_stands_for_its_tokens_in_time_and_length():
     assert 640 <= elapsed < 640 * 1.5  # a decode step per token, not per block
 
 
-SMALL_SCENARIO = ["engine.num_engines=4", "trainer.data_parallel_size=4", "rollout.num_workers=2",
-                  "rollout.max_concurrent_loops=32", "algorithm.prompts_per_step=8", "algorithm.n_samples_per_prompt=4",
-                  "bench.steps=4", "bench.warmup_steps=1", "logging.wandb.enabled=false", "cluster.dashboard=false"]
+SMALL_SCENARIO = ["engine.num_engines=4", "engine.sim.replicas=1", "trainer.data_parallel_size=4",
+                  "rollout.num_workers=2", "rollout.max_concurrent_loops=32", "algorithm.prompts_per_step=8",
+                  "algorithm.n_samples_per_prompt=4", "bench.steps=4", "bench.warmup_steps=1",
+                  "engine.sim.length_median=300", "engine.sim.length_p99=2000", "cluster.time_scale=20",
+                  "logging.wandb.enabled=false", "cluster.dashboard=false"]
 
 
 @pytest.mark.slow
@@ -223,20 +225,34 @@ def test_simulate_runs_a_scenario_through_the_real_control_plane(tmp_path, base_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "simulate" and result["devices"] == 8 and result["split"] == "4:4"
-    assert result["prompts_lost"] == 0
+    assert result["prompts_lost"] == 0 and (tmp_path / "steps.png").stat().st_size > 10_000
     check_run(tmp_path / "sync", eta=0, steps=4, batch=8, plots=False, weights=False)
     check_run(tmp_path / "async", eta=2, steps=4, batch=8, plots=False, weights=False)
     steps = [r for r in map(json.loads, (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines())
              if "throughput/step_s" in r]
     # The scenario's trainer on the 8 devices of the colocated run: 32 samples of 300 prompt
     # tokens and their responses' blocks of 64 tokens, at 0.88 + 0.29 ms a token (the proximal
-    # pass), over 8 ranks, plus 16 optimizer updates of 0.3 s; a step waits for it.
+    # pass), over 8 ranks, plus 16 optimizer updates of 0.3 s; a step waits for it. (Never less
+    # than the model; more by the real time the step's own work took, 20-fold, on a busy machine.)
     for r in steps:
         model_s = (32 * 300 + r["train/tokens"] * 64) * (0.00088 + 0.00029) / 8 + 16 * 0.3
-        assert model_s <= r["train/step_s"] < model_s * 1.3 + 1
+        assert model_s <= r["train/step_s"] < model_s * 2 + 5
         assert r["throughput/step_s"] > r["train/step_s"]
     assert result["sync_step_s"] > 60 and result["async_step_s"] > 0 and result["speedup"] > 0
     assert 0 <= result["trainer_idle"] <= 1 and 0 <= result["engine_idle"] <= 1
     assert 0 < result["staleness_mean"] <= 2
     assert set(result["control_cpu_s"]) == {"driver", "queue", "worker", "engine"}
     assert 0 < result["control_plane_s_per_step"] and result["control_plane_share"] < 0.05
+
+
+def test_replicas_are_engines_of_their_own_in_one_actor():
+    async def go():
+        engine = _engine(decode_base_s=1.0, length_median=10, length_p99=10, replicas=2)
+        await engine.start()
+        t0 = engine.clock.now()
+        await asyncio.gather(*(engine.generate([1], SamplingSpec(max_new_tokens=64), f"r{i}") for i in range(8)))
+        return engine.clock.now() - t0, engine.activity()
+
+    elapsed, activity = _run(go())
+    assert 10 <= elapsed < 15  # two batches of four at once, not one after the other
+    assert activity.busy_s == pytest.approx(elapsed, rel=0.1)  # both replicas busy all along

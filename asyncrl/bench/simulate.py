@@ -19,7 +19,7 @@ sum over the simulated step (`control_plane_share`; the goal is < 2 %).
 With any of bench.sweep_engine_devices / sweep_max_staleness / sweep_partial_rollout set, the
 async run is repeated for every combination (the devices stay the scenario's: engine devices
 are taken from the trainer's data parallel ranks) and the bench writes sweep.md and sweep.png.
-The last line is one JSON object.
+Both runs' step times and idle ratios are drawn in steps.png. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -42,20 +42,24 @@ CONTROL_ROLES = ("driver", "queue", "worker", "engine")
 def devices(cfg: Config) -> tuple[int, int]:
     """(engine devices, trainer devices) of a config."""
     t = cfg.trainer
-    return (cfg.engine.num_engines * cfg.engine.tensor_parallel_size,
+    return (cfg.engine.num_engines * _engine_devices(cfg),
             t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size)
+
+
+def _engine_devices(cfg: Config) -> int:
+    """Devices per engine actor: its simulated engines' tensor-parallel devices."""
+    return cfg.engine.sim.replicas * cfg.engine.tensor_parallel_size
 
 
 def split(cfg: Config, engine_devices: int) -> Config:
     """The same devices, `engine_devices` of them engines and the rest the trainer's data parallel ranks."""
     total = sum(devices(cfg))
     e, t = cfg.engine, cfg.trainer
-    model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size
-    if engine_devices % e.tensor_parallel_size or (total - engine_devices) % model_parallel \
-            or not 0 < engine_devices < total:
-        raise ValueError(f"{engine_devices} of {total} devices as engines: must be a multiple of engine TP "
-                         f"{e.tensor_parallel_size} leaving a multiple of trainer TP x PP {model_parallel}")
-    return replace(cfg, engine=replace(e, num_engines=engine_devices // e.tensor_parallel_size),
+    model_parallel, per_actor = t.tensor_parallel_size * t.pipeline_parallel_size, _engine_devices(cfg)
+    if engine_devices % per_actor or (total - engine_devices) % model_parallel or not 0 < engine_devices < total:
+        raise ValueError(f"{engine_devices} of {total} devices as engines: must be a multiple of engine TP x "
+                         f"engine.sim.replicas = {per_actor}, leaving a multiple of trainer TP x PP {model_parallel}")
+    return replace(cfg, engine=replace(e, num_engines=engine_devices // per_actor),
                    trainer=replace(t, data_parallel_size=(total - engine_devices) // model_parallel))
 
 
@@ -65,7 +69,7 @@ def colocated_sync(cfg: Config) -> Config:
     total = sum(devices(cfg))
     e, t, r, a = cfg.engine, cfg.trainer, cfg.rollout, cfg.algorithm
     loops = -(-a.prompts_per_step * a.n_samples_per_prompt // r.num_workers)
-    return replace(cfg, engine=replace(e, num_engines=total // e.tensor_parallel_size),
+    return replace(cfg, engine=replace(e, num_engines=total // _engine_devices(cfg)),
                    rollout=replace(r, max_concurrent_loops=max(r.max_concurrent_loops, loops)),
                    trainer=replace(t, data_parallel_size=total // (t.tensor_parallel_size * t.pipeline_parallel_size)),
                    algorithm=replace(cfg.algorithm, max_staleness=0, policy_lag=0, partial_rollout=False))
@@ -143,6 +147,31 @@ def _sweep_plot(sync: dict[str, Any], runs: list[dict[str, Any]], path: Path) ->
     plt.close(fig)
 
 
+def steps_plot(root: Path, path: Path) -> None:
+    """Per step of the sync and async runs under `root`: simulated step time, and the trainer's and
+    the engines' idle ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode, color in (("sync", "tab:blue"), ("async", "tab:orange")):
+        steps = [r for r in read_metrics(root / mode) if "throughput/step_s" in r]
+        x = [r["step"] for r in steps]
+        ax_t.plot(x, [r["throughput/step_s"] for r in steps], marker="o", color=color, label=mode)
+        ax_i.plot(x, [r["idle/trainer"] for r in steps], marker="o", color=color, label=f"{mode}: trainer")
+        ax_i.plot(x, [r["idle/engines"] for r in steps], marker="s", ls="--", color=color, label=f"{mode}: engines")
+    ax_t.set(xlabel="step", ylabel="simulated seconds", title="step time", ylim=(0, None))
+    ax_i.set(xlabel="step", ylabel="idle share", title="idle ratios", ylim=(0, 1))
+    for ax in (ax_t, ax_i):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_simulate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
@@ -152,6 +181,7 @@ def run_simulate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
     sync = _run(colocated_sync(cfg), root / "sync", bench)
     async_ = _run(cfg, root / "async", bench)
+    steps_plot(root, root / "steps.png")
     result = {
         "bench": "simulate", "scenario": cfg.recipe.name, "devices": sum(devices(cfg)),
         "split": f"{async_['engine_devices']}:{async_['trainer_devices']}", "time_scale": cfg.cluster.time_scale,

@@ -147,6 +147,10 @@ class SimEngineConfig:
     # and each costs a block's decode steps here and a block's tokens in the simulated trainer.
     # Long responses (28K tokens) then cost the control plane blocks, not tokens.
     token_block: int = 1
+    # Simulated engines (each engine.tensor_parallel_size devices) per engine actor: the scenario
+    # has engine.num_engines x replicas of them. A Ray actor process costs this machine about 1 %
+    # of a core even idle: a hundred engine processes would saturate two cores.
+    replicas: int = 1
     seed: int = 0
 
 

@@ -314,6 +314,7 @@ def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
     at_least("engine.sim.prompt_tokens", e.prompt_tokens, 0, "0: the prompt's own length")
     at_least("engine.sim.length_median", e.length_median, 1)
     at_least("engine.sim.token_block", e.token_block, 1)
+    need(1 <= e.replicas <= MAX_WORKERS, "engine.sim.replicas", e.replicas, f"must be in [1, {MAX_WORKERS}]")
     need(e.length_p99 >= e.length_median, "engine.sim.length_p99", e.length_p99,
          f"must be >= engine.sim.length_median={e.length_median}")
     need(all(len(row) == 2 and row[0] >= 1 and row[1] >= 0 for row in e.length_hist)

@@ -19,11 +19,11 @@ The model (engine.sim, in simulated seconds; asyncrl.clock turns them into real 
 Between events (an arrival, a request finishing, a pause) the engine sleeps for the whole run
 of decode steps at once: its cost is per event, not per token.
 
-A response repeats one token, drawn from SIM_TOKENS when it starts (the rewards of simulated runs
-are not what they measure). That token and the prompt seed its length, so a response that was
-aborted and is continued (the prompt then ends with the g tokens it had, g = rollout.max_new_tokens
-minus the request's budget) gets the same length as if it had not been: interrupted equals
-uninterrupted, as on the real engine.
+A response repeats one token, drawn from the vocabulary's last NUM_SIM_TOKENS ids when it starts
+(the rewards of simulated runs are not what they measure). That token and the prompt seed its
+length, so a response that was aborted and is continued (the prompt then ends with the g tokens
+it had, g = rollout.max_new_tokens minus the request's budget) gets the same length as if it had
+not been: interrupted equals uninterrupted, as on the real engine.
 """
 
 from __future__ import annotations
@@ -109,9 +109,79 @@ class _Request:
         return GenerationResult([self.token_id] * self.tokens, [-1.0] * self.tokens, self.versions, finish_reason)
 
 
+class _Replica:
+    """One simulated engine's continuous batch: its waiting and running requests and the task
+    that steps them. A SimEngine actor holds engine.sim.replicas of them."""
+
+    def __init__(self, engine: SimEngine):
+        self.engine = engine
+        self.waiting: list[_Request] = []
+        self.running: list[_Request] = []
+        self.outstanding = 0  # requests given to it and not yet answered
+        self.prefill_debt = 0.0  # admitted requests' prefill not yet spent
+        self.wake = asyncio.Event()  # an arrival, a pause or a resume
+        self.still = asyncio.Event()  # set while it is not stepping
+        self.still.set()
+        self.task: asyncio.Task | None = None
+
+    async def schedule(self) -> None:
+        """Admit, step until the next event, hand out tokens; forever."""
+        e = self.engine
+        block = e.cfg.sim.token_block  # a simulated token is a block of decode steps
+        while True:
+            if e.paused or not (self.waiting or self.running):
+                self.still.set()
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            self.still.clear()
+            while self.waiting and len(self.running) < e.cfg.max_num_seqs:
+                request = self.waiting.pop(0)
+                self.prefill_debt += e.decode.prefill_s(request.prompt_tokens)
+                self.running.append(request)
+            batch = len(self.running)
+            context = sum(r.prompt_tokens + r.tokens * block for r in self.running)
+            n = min(r.target - r.tokens for r in self.running)
+            t0 = e.clock.now()
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), e.clock.real(
+                    self.prefill_debt + e.decode.steps_s(n * block, batch, context)))
+                spent = e.clock.now() - t0  # woken early: the steps that fitted
+                decode_s = max(0.0, spent - self.prefill_debt)
+                self.prefill_debt = max(0.0, self.prefill_debt - spent)
+                steps = e.decode.steps_within(decode_s, n * block, batch, context) // block
+            except TimeoutError:
+                self.prefill_debt = 0.0
+                steps = n
+            self.advance(steps)
+
+    def advance(self, steps: int) -> None:
+        """Every running request gains `steps` tokens of the engine's version; the finished leave."""
+        if not steps:
+            return
+        still = []
+        for r in self.running:
+            r.tokens += steps
+            r.versions += [self.engine.version] * steps
+            if r.tokens >= r.target:
+                r.done.set_result(r.result("stop" if r.stop else "length"))
+            else:
+                still.append(r)
+        self.running = still
+
+    def abort(self) -> None:
+        """End every request with the tokens it has."""
+        for r in self.running + self.waiting:
+            r.done.set_result(r.result("abort"))
+        self.running, self.waiting, self.prefill_debt = [], [], 0.0
+
+
 class SimEngine:
     """An engine of simulated time with EngineActor's methods (the driver, the workers' routers
-    and WeightSync cannot tell them apart)."""
+    and WeightSync cannot tell them apart). With engine.sim.replicas = r one actor stands for r
+    engines (each a batch of its own; a request goes to the least loaded): a Ray actor process
+    costs about 1 % of a core even idle, so a scenario's hundreds of engines would not fit here."""
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
                  stream_outputs: bool = True, time_scale: float = 1.0, receive_s: float = 0.0,
@@ -128,26 +198,20 @@ class SimEngine:
         vocab = _vocab_size(model_path)
         self.sim_tokens = range(max(1, vocab - NUM_SIM_TOKENS), vocab)
         self.version = 0
-        self._waiting: list[_Request] = []
-        self._running: list[_Request] = []
-        self._outstanding = 0
-        self._prefill_debt = 0.0  # admitted requests' prefill not yet spent
-        self._paused = False
+        self.replicas = [_Replica(self) for _ in range(engine.sim.replicas)]
+        self.paused = False
         self._accepting = asyncio.Event()
         self._accepting.set()
-        self._wake = asyncio.Event()  # an arrival, a pause or a resume
-        self._still = asyncio.Event()  # set while the scheduler is not stepping
-        self._still.set()
         self._activity = EngineActivity(0.0, 0.0)
         self._activity_at = self.clock.now()
-        self._scheduler: asyncio.Task | None = None
         self._channel: ChannelServer | None = None
         self._channel_address: ChannelAddress | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> EngineStartInfo:
-        self._scheduler = asyncio.ensure_future(self._schedule())
+        for replica in self.replicas:
+            replica.task = asyncio.ensure_future(replica.schedule())
         return EngineStartInfo(start_s=0.0, rss_gib=0.0, cpu_cores=[], vllm_processes=[],
                                model_in_engine_core=False, plain_weights=False)
 
@@ -160,15 +224,17 @@ class SimEngine:
         return self._channel_address
 
     async def health(self) -> float:
-        if self._scheduler is not None and self._scheduler.done():
-            self._scheduler.result()  # raises what stopped it
+        for replica in self.replicas:
+            if replica.task is not None and replica.task.done():
+                replica.task.result()  # raises what stopped it
         return 0.0
 
     async def shutdown(self) -> None:
         if self._channel is not None:
             self._channel.close()
-        if self._scheduler is not None:
-            self._scheduler.cancel()
+        for replica in self.replicas:
+            if replica.task is not None:
+                replica.task.cancel()
 
     # -- generation --------------------------------------------------------------
 
@@ -182,13 +248,16 @@ class SimEngine:
                            asyncio.get_running_loop().create_future(), stop=left < sampling.max_new_tokens)
         if not request.target:
             return request.result("stop" if request.stop else "length")
-        self._account(+1)
-        self._waiting.append(request)
-        self._wake.set()
+        replica = min(self.replicas, key=lambda r: r.outstanding)
+        self._account()
+        replica.outstanding += 1
+        replica.waiting.append(request)
+        replica.wake.set()
         try:
             return await request.done
         finally:
-            self._account(-1)
+            self._account()
+            replica.outstanding -= 1
 
     def _response(self, prompt: list[int], budget: int) -> tuple[int, int, int]:
         """(its token, tokens it already had, its whole length) for the response this request
@@ -201,62 +270,18 @@ class SimEngine:
         length = self.lengths.draw(random.Random(hash((tuple(head), token_id, self.cfg.sim.seed))))
         return token_id, had, length
 
-    async def _schedule(self) -> None:
-        """Admit, step until the next event, hand out tokens; forever."""
-        while True:
-            if self._paused or not (self._waiting or self._running):
-                self._still.set()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            self._still.clear()
-            while self._waiting and len(self._running) < self.cfg.max_num_seqs:
-                request = self._waiting.pop(0)
-                self._prefill_debt += self.decode.prefill_s(request.prompt_tokens)
-                self._running.append(request)
-            batch = len(self._running)
-            block = self.cfg.sim.token_block  # a simulated token is a block of decode steps
-            context = sum(r.prompt_tokens + r.tokens * block for r in self._running)
-            n = min(r.target - r.tokens for r in self._running)
-            t0 = self.clock.now()
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       self.clock.real(self._prefill_debt
-                                                       + self.decode.steps_s(n * block, batch, context)))
-                spent = self.clock.now() - t0  # woken early: the steps that fitted
-                decode_s = max(0.0, spent - self._prefill_debt)
-                self._prefill_debt = max(0.0, self._prefill_debt - spent)
-                steps = self.decode.steps_within(decode_s, n * block, batch, context) // block
-            except TimeoutError:
-                self._prefill_debt = 0.0
-                steps = n
-            self._advance(steps)
-
-    def _advance(self, steps: int) -> None:
-        """Every running request gains `steps` tokens of this version; the finished leave."""
-        if not steps:
-            return
-        still = []
-        for r in self._running:
-            r.tokens += steps
-            r.versions += [self.version] * steps
-            if r.tokens >= r.target:
-                r.done.set_result(r.result("stop" if r.stop else "length"))
-            else:
-                still.append(r)
-        self._running = still
-
     def num_outstanding(self) -> int:
-        return self._outstanding
+        return sum(r.outstanding for r in self.replicas)
 
-    def _account(self, change: int = 0) -> None:
+    def _account(self) -> None:
+        """Add the time since the last change to the activity totals: busy seconds are the mean over
+        the replicas (an actor of r engines with one busy is busy 1/r of the time)."""
         now = self.clock.now()
-        dt, n = now - self._activity_at, self._outstanding
-        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt,
-                                        time.process_time())
+        dt = now - self._activity_at
+        busy = sum(1 for r in self.replicas if r.outstanding) / len(self.replicas)
+        self._activity = EngineActivity(self._activity.busy_s + busy * dt,
+                                        self._activity.request_s + self.num_outstanding() * dt, time.process_time())
         self._activity_at = now
-        self._outstanding += change
 
     def activity(self) -> EngineActivity:
         self._account()
@@ -276,19 +301,21 @@ class SimEngine:
                              "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
         t0 = self.clock.now()
         self._accepting.clear()
-        self._paused = True
-        self._wake.set()
-        await self._still.wait()  # the scheduler handed out the tokens of the steps it was in
+        self.paused = True
+        for replica in self.replicas:
+            replica.wake.set()
+        for replica in self.replicas:  # each handed out the tokens of the steps it was in
+            await replica.still.wait()
         if mode == "abort":
-            for r in self._running + self._waiting:
-                r.done.set_result(r.result("abort"))
-            self._running, self._waiting, self._prefill_debt = [], [], 0.0
+            for replica in self.replicas:
+                replica.abort()
         return self.clock.now() - t0
 
     async def resume(self) -> None:
-        self._paused = False
+        self.paused = False
         self._accepting.set()
-        self._wake.set()
+        for replica in self.replicas:
+            replica.wake.set()
 
     async def load_weights(self, state_dict: dict, version: int) -> float:
         await self.clock.asleep(self.cfg.sim.load_s)
