@@ -122,7 +122,7 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
     # the engine's processes, and the trainer's, whose TrainerSetupInfo is logged at setup)
     assert result["async_cpu_cores"] == {"engine": "0", "rollout": "0", "trainer": "1"}
     log = out.stdout + out.stderr
-    starts = [line for line in log.splitlines() if "engine-0: vLLM started" in line]
+    starts = [line for line in log.splitlines() if "engine-0: started" in line]
     every_core = f"on cores {sorted(os.sched_getaffinity(0))}"
     assert len(starts) == 2 and every_core in starts[0] and "on cores [0]," in starts[1], starts
     assert "cpu_cores=[1]" in log
