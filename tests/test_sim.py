@@ -269,6 +269,12 @@ def test_simulate_derives_the_colocated_baseline_and_splits_from_the_scenario_s_
     assert sync.rollout.max_concurrent_loops == 1024  # 512 x 16 samples over 8 workers, all at once
     assert (sync.algorithm.max_staleness, sync.algorithm.partial_rollout) == (0, False)
     assert devices(split(cfg, 32)) == (32, 96)
+    from asyncrl.bench.config import BenchConfig
+    from asyncrl.bench.simulate import sweep_arms
+
+    assert sweep_arms(cfg, BenchConfig()) == []
+    arms = sweep_arms(cfg, BenchConfig(sweep_engine_devices=[32, 64], sweep_max_staleness=[1, 4]))
+    assert [(devices(a)[0], a.algorithm.max_staleness) for a in arms] == [(32, 1), (32, 4), (64, 1), (64, 4)]
     with pytest.raises(ValueError, match="multiple of engine TP x engine.sim.replicas = 4"):
         split(cfg, 30)
     records = [{"step": 0}, *({"step": i, "throughput/step_s": s, "idle/trainer": 0.1 * i, "idle/engines": 0.5,

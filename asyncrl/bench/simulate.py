@@ -75,6 +75,21 @@ def colocated_sync(cfg: Config) -> Config:
                    algorithm=replace(cfg.algorithm, max_staleness=0, policy_lag=0, partial_rollout=False))
 
 
+def sweep_arms(cfg: Config, bench: BenchConfig) -> list[Config]:
+    """The async runs of a sweep: every combination of the bench.sweep_* lists (an empty one: the
+    scenario's value); none without a sweep."""
+    if not (bench.sweep_engine_devices or bench.sweep_max_staleness or bench.sweep_partial_rollout):
+        return []
+    arms = []
+    for engine_devices, eta, partial in itertools.product(
+            bench.sweep_engine_devices or [devices(cfg)[0]], bench.sweep_max_staleness or [cfg.algorithm.max_staleness],
+            bench.sweep_partial_rollout or [cfg.algorithm.partial_rollout]):
+        arm = split(cfg, engine_devices) if engine_devices != devices(cfg)[0] else cfg
+        arms.append(replace(arm, algorithm=replace(arm.algorithm, max_staleness=eta, partial_rollout=partial,
+                                                   policy_lag=min(arm.algorithm.policy_lag, eta))))
+    return arms
+
+
 def _run_config(cfg: Config, bench: BenchConfig, run_dir: Path) -> Config:
     return replace(cfg, run=replace(cfg.run, output_dir=str(run_dir), resume_from="", max_train_s=0.0),
                    trainer=replace(cfg.trainer, total_steps=bench.steps, checkpoint_every=0),
@@ -179,6 +194,7 @@ def run_simulate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         raise ValueError(f"recipe={cfg.recipe.name} runs real engines: asyncrl simulate takes a scenario "
                          "(a recipe with engine=sim trainer=sim, conf/recipe/sim_*.yaml)")
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
+    arms = sweep_arms(cfg, bench)  # before any run: a split the devices do not allow fails now, not in an hour
     sync = _run(colocated_sync(cfg), root / "sync", bench)
     async_ = _run(cfg, root / "async", bench)
     steps_plot(root, root / "steps.png")
@@ -193,15 +209,9 @@ def run_simulate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "control_plane_share": async_["control_plane_share"], "control_cpu_s": async_["control_cpu_s"],
         "busiest": async_["busiest"], "prompts_lost": sync["lost"] + async_["lost"],
         "real_s": sync["real_s"] + async_["real_s"], "runs": str(root)}
-    grid = list(itertools.product(bench.sweep_engine_devices or [async_["engine_devices"]],
-                                  bench.sweep_max_staleness or [cfg.algorithm.max_staleness],
-                                  bench.sweep_partial_rollout or [cfg.algorithm.partial_rollout]))
-    if len(grid) > 1 or bench.sweep_engine_devices or bench.sweep_max_staleness or bench.sweep_partial_rollout:
+    if arms:
         runs = []
-        for i, (engine_devices, eta, partial) in enumerate(grid):
-            arm = split(cfg, engine_devices)
-            arm = replace(arm, algorithm=replace(arm.algorithm, max_staleness=eta, partial_rollout=partial,
-                                                 policy_lag=min(arm.algorithm.policy_lag, eta)))
+        for i, arm in enumerate(arms):
             runs.append(_run(arm, root / f"sweep{i}", bench))
             (root / "sweep.md").write_text(sweep_table(sync, runs))
             (root / "sweep.json").write_text(json.dumps({"sync": sync, "runs": runs}, indent=1))

@@ -320,7 +320,7 @@ def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
     need(all(len(row) == 2 and row[0] >= 1 and row[1] >= 0 for row in e.length_hist)
          and (not e.length_hist or sum(row[1] for row in e.length_hist) > 0),
          "engine.sim.length_hist", e.length_hist, "must be [[tokens >= 1, count >= 0], ...] with some count > 0")
-    need(c.engine.sim.decode_base_s + c.engine.sim.decode_per_seq_s > 0 or not sim_engine, "engine.sim.decode_base_s",
+    need(e.decode_base_s + e.decode_per_seq_s > 0 or not sim_engine, "engine.sim.decode_base_s",
          e.decode_base_s, "a decode step must take time (or engine.sim.decode_per_seq_s > 0)")
     s = c.trainer.sim
     for key in ("train_per_token_s", "logprob_per_token_s", "optimizer_s", "setup_s"):
