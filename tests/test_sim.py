@@ -214,14 +214,14 @@ SMALL_SCENARIO = ["engine.num_engines=2", "engine.sim.replicas=1", "trainer.data
 @pytest.mark.slow
 @pytest.mark.alone
 def test_simulate_runs_a_scenario_through_the_real_control_plane(tmp_path, base_model):
-    """`asyncrl simulate` on a small cut of the 128-GPU scenario: both runs keep the invariants of
-    a real run (every prompt accounted for, the staleness bound, a sync a step), log simulated
-    seconds as the model says, and report the control plane's own CPU time."""
+    """`asyncrl simulate` on a small cut of the 128-GPU scenario, with a one-arm sweep: every run
+    keeps the invariants of a real run (every prompt accounted for, the staleness bound, a sync a
+    step), logs simulated seconds as the model says, and reports the control plane's own CPU time."""
     from tests.conftest import run_cli
     from tests.test_train_e2e import check_run
 
-    out = run_cli("simulate", "sim_math7b_128gpu", *SMALL_SCENARIO, f"run.output_dir={tmp_path}", cwd=tmp_path,
-                  timeout=900)
+    out = run_cli("simulate", "sim_math7b_128gpu", *SMALL_SCENARIO, "bench.sweep_engine_devices=[1]",
+                  f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "simulate" and result["devices"] == 4 and result["split"] == "2:2"
@@ -244,6 +244,10 @@ def test_simulate_runs_a_scenario_through_the_real_control_plane(tmp_path, base_
     assert 0 < result["staleness_mean"] <= 2
     assert set(result["control_cpu_s"]) == {"driver", "queue", "worker", "engine"}
     assert 0 < result["control_plane_s_per_step"] and result["control_plane_share"] < 0.05
+    # the sweep's one arm: 1 engine device : 3 trainer ranks, its row beside the colocated run's
+    assert [(r["engine_devices"], r["max_staleness"]) for r in result["sweep"]] == [(1, 2)]
+    check_run(tmp_path / "sweep0", eta=2, steps=3, batch=8, plots=False, weights=False)
+    assert "| 1 : 3 | 2 | yes |" in (tmp_path / "sweep.md").read_text() and (tmp_path / "sweep.png").is_file()
 
 
 def test_replicas_are_engines_of_their_own_in_one_actor():
