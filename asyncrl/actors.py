@@ -24,7 +24,8 @@ import ray
 
 from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
-from asyncrl.engine.engine_actor import EngineActor, engines_stream
+from asyncrl.engine.engine_actor import EngineActor
+from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue

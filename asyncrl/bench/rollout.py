@@ -37,7 +37,7 @@ from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
 from asyncrl.bench.in_flight import start_long_requests
 from asyncrl.config import Config
-from asyncrl.engine.engine_actor import engines_stream
+from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.tasks import Problem, TaskSource
 from asyncrl.types import SamplingSpec

@@ -39,6 +39,7 @@ import os
 import struct
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -48,6 +49,7 @@ import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
+from asyncrl.engine.pause import check_pause
 from asyncrl.engine.vllm_compat import engine_dead_error, max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
@@ -58,7 +60,6 @@ from asyncrl.types import GenerationResult, SamplingSpec
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PAUSE_MODES = ("abort", "keep")
 # An aborted request delivers its final output within milliseconds; one still outstanding
 # after this long is queued behind the pause inside vLLM and is aborted by the actor.
 ABORT_GRACE_S = 0.1
@@ -71,11 +72,6 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 
 class EngineFailed(RuntimeError):
     """The engine's vLLM processes died: it cannot generate again (the driver replaces it)."""
-
-
-def engines_stream(pause_mode: str) -> bool:
-    """Only `keep` pauses let a request outlive its weights; otherwise vLLM need not stream."""
-    return pause_mode == "keep"
 
 
 class EngineActor:
@@ -246,15 +242,14 @@ class EngineActor:
         """Add the time since the last change of the outstanding requests to the activity totals."""
         now = time.monotonic()
         dt, n = now - self._activity_at, len(self._outstanding)
-        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt,
-                                        time.process_time())
+        self._activity = EngineActivity(self._activity.busy_s + (dt if n else 0.0), self._activity.request_s + n * dt)
         self._activity_at = now
 
     def activity(self) -> EngineActivity:
         """Totals so far: seconds with a request outstanding, and request-seconds (their rates
         of change are 1 - the idle ratio and the mean number of requests running)."""
         self._account()
-        return self._activity
+        return replace(self._activity, cpu_s=time.process_time())
 
     def get_version(self) -> int:
         return self.version
@@ -276,11 +271,7 @@ class EngineActor:
     def _pause_core(self, mode: str) -> asyncio.Future:
         """Stop admitting requests and send the engine core its pause (sent on return; the
         future completes with the core's reply)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
-        if mode == "keep" and not self.stream_outputs:
-            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
-                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
+        check_pause(mode, self.stream_outputs, self.engine_id)
         self._accepting.clear()
         # `abort` drops the KV cache, which holds keys and values of the old weights;
         # `keep` must keep it for the frozen requests to continue.

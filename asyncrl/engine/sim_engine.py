@@ -34,16 +34,16 @@ import math
 import random
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from asyncrl.clock import Clock
 from asyncrl.config.schema import EngineConfig, SimEngineConfig
+from asyncrl.engine.pause import check_pause
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
 from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
 from asyncrl.types import GenerationResult, SamplingSpec
 
-PAUSE_MODES = ("abort", "keep")
 Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 NUM_SIM_TOKENS = 64  # distinct response tokens: the n samples of a prompt rarely share one (and their length)
 
@@ -280,12 +280,12 @@ class SimEngine:
         dt = now - self._activity_at
         busy = sum(1 for r in self.replicas if r.outstanding) / len(self.replicas)
         self._activity = EngineActivity(self._activity.busy_s + busy * dt,
-                                        self._activity.request_s + self.num_outstanding() * dt, time.process_time())
+                                        self._activity.request_s + self.num_outstanding() * dt)
         self._activity_at = now
 
     def activity(self) -> EngineActivity:
         self._account()
-        return self._activity
+        return replace(self._activity, cpu_s=time.process_time())
 
     def get_version(self) -> int:
         return self.version
@@ -294,11 +294,7 @@ class SimEngine:
 
     async def pause(self, mode: str = "abort") -> float:
         """`abort`: every request ends now with its tokens so far; `keep`: they wait for resume()."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
-        if mode == "keep" and not self.stream_outputs:
-            raise ValueError(f"engine-{self.engine_id}: pause('keep') needs per-token versions, but this engine "
-                             "was started with stream_outputs=False (for algorithm.pause_mode=abort)")
+        check_pause(mode, self.stream_outputs, self.engine_id)
         t0 = self.clock.now()
         self._accepting.clear()
         self.paused = True

@@ -22,6 +22,7 @@ from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.trainer.batch import TrainSample, build_samples
+from asyncrl.trainer.policy_lag import PolicyLag
 
 
 def forward_passes(cfg: Config) -> int:
@@ -47,7 +48,7 @@ class SimTrainerRank:
         self.sim = cfg.trainer.sim
         self.clock = Clock(cfg.cluster.time_scale)
         self.step = 0
-        self._history: collections.deque[int] = collections.deque()  # staged versions (algorithm.policy_lag)
+        self._lag = PolicyLag(cfg.algorithm.policy_lag)  # staged versions: no weights to keep
 
     def address(self) -> tuple[str, int]:
         return "127.0.0.1", 0
@@ -55,7 +56,7 @@ class SimTrainerRank:
     def setup(self, master_addr: str, master_port: int) -> TrainerSetupInfo:
         self.clock.sleep(self.sim.setup_s)
         if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
-            self._history.append(0)
+            self._lag.stage(0, None)
         t = self.cfg.trainer
         return TrainerSetupInfo(setup_s=self.sim.setup_s, params_this_rank=0, transformer_engine=False,
                                 tp=t.tensor_parallel_size, pp=t.pipeline_parallel_size, dp=t.data_parallel_size,
@@ -90,16 +91,8 @@ class SimTrainerRank:
         pass
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
-        """The version a sync sends: with algorithm.policy_lag the one that many versions back,
-        as TrainerRank.stage_weights keeps them."""
-        if newest:
-            self._history.clear()
-        self._history.append(version)
-        while len(self._history) > 1 and self._history[1] <= version - self.cfg.algorithm.policy_lag:
-            self._history.popleft()
-        staged = self._history[0]
-        if not self.cfg.algorithm.policy_lag:
-            self._history.clear()
+        """The version a sync sends: with algorithm.policy_lag the one that many versions back."""
+        staged, _ = self._lag.stage(version, None, newest)
         return StagedWeights(0.0, {}, staged)
 
     def broadcast_weights(self) -> float:
@@ -121,7 +114,7 @@ class SimTrainerRank:
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> int:
         self.step = json.loads((Path(ckpt_dir) / "sim_trainer_state.json").read_text())["step"]
-        self._history.clear()
+        self._lag.clear()
         return self.step
 
     def shutdown(self) -> None:

@@ -24,7 +24,6 @@ optimizer and scheduler state and load at another tensor-parallel size.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import shutil
@@ -58,6 +57,7 @@ from asyncrl.trainer.batch import (
     pack,
     shard_for_data_parallel,
 )
+from asyncrl.trainer.policy_lag import PolicyLag
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class TrainerRank:
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
         # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
         # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
-        self._history: collections.deque = collections.deque()
+        self._lag = PolicyLag(cfg.algorithm.policy_lag)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -375,15 +375,8 @@ class TrainerRank:
             for _ in self._export():
                 pass
             return StagedWeights(time.monotonic() - t0, checksums, version)
-        lag = self.cfg.algorithm.policy_lag
-        if newest:
-            self._history.clear()
-        self._history.append((version, pack_buckets(self.plan, tensors(), self.device), checksums))
-        while len(self._history) > 1 and self._history[1][0] <= version - lag:
-            self._history.popleft()
-        staged_version, self._staged, staged_checksums = self._history[0]
-        if not lag:
-            self._history.clear()
+        buckets = pack_buckets(self.plan, tensors(), self.device)  # fills `checksums` as it packs
+        staged_version, (self._staged, staged_checksums) = self._lag.stage(version, (buckets, checksums), newest)
         return StagedWeights(time.monotonic() - t0, staged_checksums, staged_version)
 
     def broadcast_weights(self) -> float:
@@ -440,7 +433,7 @@ class TrainerRank:
             self.optimizer.load_state_dict(loaded["optimizer"])
         meta = torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
         self.step = meta["step"]
-        self._history.clear()  # the restored weights are the oldest a lagged sync can send now
+        self._lag.clear()  # the restored weights are the oldest a lagged sync can send now
         if load_optimizer:
             self.scheduler.load_state_dict(meta["scheduler"])
         return self.step
