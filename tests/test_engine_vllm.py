@@ -103,7 +103,8 @@ def test_abort_and_resume_equals_uninterrupted_greedy(engines, tokenizer, stream
         assert t.num_response_tokens == n  # the resumed request asked only for what remained
         if partial is not None:
             partials.append(partial)
-            assert len(t.segments) == 2 and len(t.segments[0]) == partial
+            # A pause that lands before the first token leaves nothing to keep: one segment.
+            assert [len(s) for s in t.segments] == ([partial, n - partial] if partial else [n])
             assert t.info["num_interruptions"] == 1
     # The pauses must have landed mid-generation, at different points.
     assert len(set(partials)) >= 2, partials
