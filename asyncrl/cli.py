@@ -5,6 +5,7 @@
     asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
     asyncrl simulate SCENARIO [key=value ...]     # asyncrl bench simulate recipe=SCENARIO ...
+    asyncrl calibrate RECIPE [key=value ...]      # asyncrl bench calibrate recipe=RECIPE ...
 
 Everything after the subcommand goes to Hydra, so its flags work too:
 `--cfg job` prints the resolved config (validated first), `--help` lists the config groups.
@@ -22,7 +23,10 @@ COMMANDS = {
     "serve-env": ("asyncrl.serve_env", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
     "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async | ...`"),
     "simulate": ("asyncrl.bench.main", "a scenario on simulated backends: `asyncrl simulate sim_math7b_128gpu`"),
+    "calibrate": ("asyncrl.bench.main", "measure this machine into a scenario: `asyncrl calibrate chain_sum_cot`"),
 }
+# `asyncrl simulate SCENARIO ...` = `asyncrl bench simulate recipe=SCENARIO ...`; likewise calibrate.
+RECIPE_BENCHES = {"simulate": "SCENARIO: conf/recipe/sim_*.yaml", "calibrate": "RECIPE: conf/recipe/*.yaml"}
 
 
 def usage() -> str:
@@ -43,12 +47,12 @@ def main() -> None:
         print(f"asyncrl: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         raise SystemExit(2)
     module, _ = COMMANDS[command]
-    if command == "simulate":  # = asyncrl bench simulate recipe=SCENARIO
+    if command in RECIPE_BENCHES:
         if len(sys.argv) < 3 or "=" in sys.argv[2]:
-            print("usage: asyncrl simulate SCENARIO [key=value ...]  (SCENARIO: conf/recipe/sim_*.yaml)",
-                  file=sys.stderr)
+            what = RECIPE_BENCHES[command]
+            print(f"usage: asyncrl {command} {what.split(':')[0]} [key=value ...]  ({what})", file=sys.stderr)
             raise SystemExit(2)
-        sys.argv = ["asyncrl", "bench", "simulate", f"recipe={sys.argv[2]}", *sys.argv[3:]]
+        sys.argv = ["asyncrl", "bench", command, f"recipe={sys.argv[2]}", *sys.argv[3:]]
         command = "bench"
     sys.argv = [f"asyncrl {command}", *sys.argv[2:]]
     importlib.import_module(module).main()

@@ -56,6 +56,14 @@ class BenchConfig:
     sweep_engine_devices: list[int] = field(default_factory=list)
     sweep_max_staleness: list[int] = field(default_factory=list)
     sweep_partial_rollout: list[bool] = field(default_factory=list)
+    # calibrate bench: requests at once, and the two response lengths (tokens) each decode batch
+    # and train step is timed at; the run(s) whose response lengths the scenario takes (a run
+    # directory or a bench's; empty: sample the base model); where it writes the scenario (empty:
+    # conf/recipe/sim_cpu_RECIPE.yaml).
+    calibrate_batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])
+    calibrate_tokens: list[int] = field(default_factory=lambda: [8, 72])
+    lengths_from: str = ""
+    scenario_out: str = ""
 
 
 def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
@@ -110,6 +118,10 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
         problems.append(f"bench.curve_every={b.curve_every!r}: must be >= 0")
     if not 0 <= b.target_accuracy <= 1:
         problems.append(f"bench.target_accuracy={b.target_accuracy!r}: must be in [0, 1]")
+    if len(set(b.calibrate_batches)) < 2 or any(n < 1 for n in b.calibrate_batches):
+        problems.append(f"bench.calibrate_batches={b.calibrate_batches!r}: at least two distinct batches >= 1")
+    if len(b.calibrate_tokens) != 2 or not 1 <= b.calibrate_tokens[0] < b.calibrate_tokens[1]:
+        problems.append(f"bench.calibrate_tokens={b.calibrate_tokens!r}: two lengths, 1 <= shorter < longer")
     if b.train_s < 1:
         problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
     if problems:

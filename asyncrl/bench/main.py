@@ -8,6 +8,7 @@ baseline in the same run.
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
     staleness     learning at staleness held exactly at k, per loss, against synchronous training
     simulate      a scenario on simulated backends, colocated sync vs async (`asyncrl simulate SCENARIO`)
+    calibrate     this machine's engine, trainer and sync measured into a scenario (`asyncrl calibrate RECIPE`)
 
 `bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
 training config, composed and validated as `asyncrl train` does.
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "faults": "asyncrl.bench.faults:run_faults_bench",
     "staleness": "asyncrl.bench.staleness:run_staleness_bench",
     "simulate": "asyncrl.bench.simulate:run_simulate_bench",
+    "calibrate": "asyncrl.bench.calibrate:run_calibrate_bench",
 }
 _selected: list[tuple[str, BenchConfig]] = []
 

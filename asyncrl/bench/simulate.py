@@ -7,6 +7,8 @@ the figures of their latency models), run through the real control plane twice:
     trainer's tensor x pipeline x data parallel ranks) are engines while generating
     (engine.num_engines = devices / engine TP) and trainer ranks while training (data parallel
     = devices / (TP x PP)); max_staleness 0, no partial rollout.
+    Where the baseline's engines or trainer differ from the split's beyond their number, the
+    scenario says how in simulate.sync_overrides (applied first).
 (b) async: the scenario's engine : trainer split, staleness bound and partial rollout.
 
 Each runs bench.steps train steps of the same samples. Figures are means over the steps after
@@ -34,6 +36,7 @@ from typing import Any
 
 from asyncrl.bench.config import BenchConfig
 from asyncrl.config import Config
+from asyncrl.config.validate import with_overrides
 from asyncrl.monitoring.run_log import read_metrics
 
 CONTROL_ROLES = ("driver", "queue", "worker", "engine")
@@ -65,8 +68,11 @@ def split(cfg: Config, engine_devices: int) -> Config:
 
 def colocated_sync(cfg: Config) -> Config:
     """Every device an engine while generating and a trainer rank while training, in turns; the
-    step's whole batch generates at once (the rollout workers run a loop for every sample)."""
+    step's whole batch generates at once (the rollout workers run a loop for every sample). The
+    scenario's simulate.sync_overrides apply first (e.g. engines that span more devices)."""
     total = sum(devices(cfg))
+    if cfg.simulate.sync_overrides:
+        cfg = with_overrides(cfg, cfg.simulate.sync_overrides)
     e, t, r, a = cfg.engine, cfg.trainer, cfg.rollout, cfg.algorithm
     loops = -(-a.prompts_per_step * a.n_samples_per_prompt // r.num_workers)
     return replace(cfg, engine=replace(e, num_engines=total // _engine_devices(cfg)),

@@ -4,11 +4,13 @@ fully asynchronously for the same wall time, in one invocation.
     asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.repeats=2
 
 (a) sync: algorithm.max_staleness=0, no partial rollout (generation drains before every
-    weight sync: the trainer and the engines take turns). Each phase runs alone, so each gets
-    the whole machine — a colocated placement, as synchronous peers share their GPUs: no
-    process is bound to cores (engine/rollout/trainer.cpu_cores cleared), vLLM's OpenMP
-    threads span every core (engine.cpu_threads_bind=auto) and the trainer runs a torch
-    thread per core (trainer.torch_threads).
+    weight sync: the trainer and the engines take turns); the step's whole batch generates at
+    once (the rollout workers run a loop for every sample), as in `asyncrl simulate`'s baseline.
+    Each phase runs alone, so each gets the whole machine — a colocated placement, as
+    synchronous peers share their GPUs: no process is bound to cores (engine/rollout/
+    trainer.cpu_cores cleared), vLLM's OpenMP threads span every core
+    (engine.cpu_threads_bind=auto) and the trainer runs a torch thread per core
+    (trainer.torch_threads).
 (b) async: the recipe's settings as configured (eta as the recipe sets it, partial rollout with
     abort and resume, and the recipe's cpu_cores: generation and training, which now run
     at once, on cores of their own — as asynchronous peers give each its own GPUs).
@@ -41,12 +43,13 @@ from asyncrl.config import Config
 from asyncrl.monitoring.run_log import read_metrics
 
 
-def _mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> Config:
+def mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> Config:
     algorithm, engine, rollout, trainer = cfg.algorithm, cfg.engine, cfg.rollout, cfg.trainer
     if mode == "sync":
         algorithm = replace(algorithm, max_staleness=0, partial_rollout=False)
         engine = replace(engine, cpu_cores="", cpu_threads_bind="auto")
-        rollout = replace(rollout, cpu_cores="")
+        loops = -(-algorithm.prompts_per_step * algorithm.n_samples_per_prompt // rollout.num_workers)
+        rollout = replace(rollout, cpu_cores="", max_concurrent_loops=max(rollout.max_concurrent_loops, loops))
         trainer = replace(trainer, cpu_cores="", torch_threads=len(os.sched_getaffinity(0)))
     return replace(
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
@@ -90,7 +93,7 @@ def run_sync_vs_async_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     for r in range(bench.repeats):
         for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
             run_dir = root / (mode if bench.repeats == 1 else f"{mode}{r}")
-            summary = run_training(_mode_config(cfg, bench, mode, run_dir), run_dir)
+            summary = run_training(mode_config(cfg, bench, mode, run_dir), run_dir)
             figures = _step_figures(run_dir)
             curve = accuracy_curve(run_dir, summary)
             runs[mode].append({**summary, **figures, "samples_per_s": summary["samples"] / summary["train_s"],

@@ -207,6 +207,10 @@ class SimTrainerConfig:
     weight_bytes: int = 2 * 10**9  # the policy as broadcast to the engines
     broadcast_bytes_per_s: float = 1e10  # trainer -> engines
     setup_s: float = 0.0
+    # The share of the generated samples the real trainer would train: simulated rewards carry no
+    # signal, so every group reaches this trainer, which pays for this share of their tokens
+    # (e.g. 0.72 where a real run filters 28 % of its samples in uniform groups).
+    trained_share: float = 1.0
 
 
 @dataclass
@@ -363,6 +367,18 @@ class EvalConfig:
 
 
 @dataclass
+class SimulateConfig:
+    """`asyncrl simulate` on this scenario: its colocated synchronous baseline (every device an
+    engine, then a trainer rank) is the scenario with these overrides (key=value, as on the command
+    line) applied before the devices are counted out, where the baseline's engines or trainer
+    differ from the async split's beyond their number; e.g. on CPUs one engine and one trainer
+    rank each span every core in turns (engine.tensor_parallel_size=2), with the speeds measured
+    so (`asyncrl bench calibrate`)."""
+
+    sync_overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RecipeConfig:
     name: str = MISSING
     description: str = ""
@@ -387,3 +403,4 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)

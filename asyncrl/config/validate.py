@@ -327,6 +327,24 @@ def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
         at_least(f"trainer.sim.{key}", getattr(s, key), 0)
     at_least("trainer.sim.weight_bytes", s.weight_bytes, 0)
     need(s.broadcast_bytes_per_s > 0, "trainer.sim.broadcast_bytes_per_s", s.broadcast_bytes_per_s, "must be > 0")
+    need(0 < s.trained_share <= 1, "trainer.sim.trained_share", s.trained_share, "must be in (0, 1]")
+    overrides = c.simulate.sync_overrides
+    need(not overrides or sim_engine, "simulate.sync_overrides", overrides,
+         "only a scenario (engine=sim trainer=sim) has a simulated sync baseline")
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        need("=" in o and not key.startswith("simulate"), "simulate.sync_overrides", o,
+             "each must be key=value on a section other than simulate")
+    if overrides and all("=" in o for o in overrides):
+        try:
+            OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            need(False, "simulate.sync_overrides", overrides, _describe_omegaconf_error(e, ""))
+
+
+def with_overrides(c: Config, overrides: Sequence[str]) -> Config:
+    """`c` with key=value overrides (as on the command line) applied, and checked again."""
+    return validate(OmegaConf.merge(OmegaConf.structured(c), OmegaConf.from_dotlist(list(overrides))))
 
 
 def _check_cores(key: str, spec: str, cluster_address: str, problems: list[str]) -> None:

@@ -7,7 +7,8 @@ ranks): a step takes, in simulated seconds (trainer.sim; asyncrl.clock),
 
 where tokens are the prompt and response tokens of the step's trained samples (a prompt counts
 engine.sim.prompt_tokens when set, as the simulated engines prefill it; a response token is a
-block of engine.sim.token_block tokens). The weight broadcast
+block of engine.sim.token_block tokens), times trainer.sim.trained_share (the share a real run
+would train: simulated rewards carry no signal, so no group is filtered). The weight broadcast
 takes weight_bytes / broadcast_bytes_per_s. Samples, staleness and the policy lag are
 accounted for exactly as the real trainer does; the weights themselves do not exist.
 """
@@ -75,7 +76,7 @@ class SimTrainerRank:
         tokens = sum((prompt or s.prompt_len) + s.num_response * block for s in batch.samples)
         trained = sum(sum(s.mask) for s in batch.samples)
         updates = min(self.cfg.trainer.mini_batches_per_step, len(batch.samples))
-        self.clock.sleep(self.step_s(tokens, updates))
+        self.clock.sleep(self.step_s(round(tokens * self.sim.trained_share), updates))
         self.step += 1
         metrics = {**staleness_metrics(batch.samples, policy_version, self.cfg.algorithm.max_staleness),
                    **{f"batch/{k}": v for k, v in batch.stats.items()},
