@@ -288,3 +288,68 @@ def test_simulate_derives_the_colocated_baseline_and_splits_from_the_scenario_s_
     f = step_figures(records, warmup=1)  # step 1 (the pipeline filling) left out
     assert (f["step_s"], f["trainer_idle"], f["steps"]) == (200.0, pytest.approx(0.25), 2)
     assert f["control_plane_s_per_step"] == 6.0 and f["control_plane_share"] == 0.03 and f["busiest"] == "queue"
+
+
+def test_the_colocated_baseline_takes_the_scenario_s_sync_overrides_before_counting_devices(base_model):
+    """A CPU scenario: async 1 engine core : 1 trainer core; its baseline runs one engine and one
+    trainer rank on both cores (TP 2) with the figures measured so."""
+    from asyncrl.bench.simulate import colocated_sync, devices
+
+    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim",
+                       "simulate.sync_overrides=[engine.tensor_parallel_size=2,trainer.tensor_parallel_size=2,"
+                       "engine.sim.decode_base_s=0.5,trainer.sim.train_per_token_s=0.25]"])
+    assert devices(cfg) == (1, 1)
+    sync = colocated_sync(cfg)
+    assert (sync.engine.num_engines, sync.engine.tensor_parallel_size, sync.trainer.data_parallel_size) == (1, 2, 1)
+    assert (sync.engine.sim.decode_base_s, sync.trainer.sim.train_per_token_s) == (0.5, 0.25)
+    assert cfg.engine.sim.decode_base_s == 0.01  # the async side keeps its own figures
+    from asyncrl.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="simulate.sync_overrides=.*only a scenario"):
+        load_config(["recipe=arith", "simulate.sync_overrides=[engine.num_engines=2]"])
+    with pytest.raises(ConfigError, match="each must be key=value on a section other than simulate"):
+        load_config(["recipe=arith", "engine=sim", "trainer=sim", "simulate.sync_overrides=[engine.num_engines]"])
+    with pytest.raises(ConfigError, match="engine.no_such_key"):
+        load_config(["recipe=arith", "engine=sim", "trainer=sim", "simulate.sync_overrides=[engine.no_such_key=1]"])
+
+
+def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
+    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.sim.train_per_token_s=0.001",
+                       "trainer.sim.optimizer_s=0", "trainer.sim.trained_share=0.5", "engine.sim.prompt_tokens=10",
+                       "cluster.time_scale=1000"])
+    rank = SimTrainerRank(cfg, 0, 1)
+    from asyncrl.types import Segment, Trajectory, TrajectoryGroup
+
+    trajs = [Trajectory("p", "g", [1] * 10, [Segment.from_policy([5] * 30, [-1.0] * 30, 0)], reward=float(i % 2))
+             for i in range(4)]
+    result = rank.train_step([TrajectoryGroup("g", "p", trajs)], 0)
+    # 4 samples of 10 prompt + 30 response tokens, half of them paid for, at 1 ms a token
+    assert result.metrics["train/step_s"] == pytest.approx(4 * 40 * 0.5 * 0.001, rel=0.05)
+
+
+def test_calibration_fits_decode_prefill_and_trainer_figures_by_the_formulas():
+    from asyncrl.bench.calibrate import decode_steps, fit_line, prefill_per_token
+
+    assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    with pytest.raises(ValueError, match="two distinct x values"):
+        fit_line([4, 4], [1, 2])
+    # A batch's 8-token requests took 0.1 s, its 72-token ones 0.74 s: (0.74 - 0.1) / 64 = 10 ms a step.
+    short, long = {1: 0.1, 16: 0.3, 64: 1.0}, {1: 0.74, 16: 1.58, 64: 4.2}
+    steps = decode_steps(short, long, (8, 72))
+    assert steps == pytest.approx({1: 0.01, 16: 0.02, 64: 0.05})
+    # With 50 more prompt tokens each, batch 16 took 0.46 s instead of 0.3: 0.16 s / 800 tokens = 0.2 ms a
+    # token; batch 64 1.96 s instead of 1.0: 0.96 / 3200 = 0.3 ms; the median 0.25 ms (batch 1 left out).
+    assert prefill_per_token(short, {1: 5.0, 16: 0.46, 64: 1.96}, 50.0) == pytest.approx(0.00025)
+
+
+def test_calibration_reads_a_run_s_lengths_and_trained_share(tmp_path):
+    from asyncrl.bench.calibrate import run_lengths
+
+    for name, rows in (("sync", [({"0": 1, "8": 3}, 3, 4)]), ("async", [({"8": 2, "40": 2}, 2, 4)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(
+            {"step": 1, "length/finished_hist": h, "batch/samples": s, "batch/trajectories": t}) for h, s, t in rows))
+    hist, share = run_lengths(tmp_path)
+    assert hist == [[4, 1], [12, 5], [44, 2]] and share == 5 / 8  # bins of 8 tokens, named by their centres
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        run_lengths(tmp_path / "sync" / "nothing")

@@ -15,8 +15,10 @@ two share the machine's memory and the processes that are bound to no core):
     the difference of the tokens; decode_base_s and decode_per_seq_s are the least-squares line
     through the steps against B. Context length is not varied (the per-seq figure holds for the
     recipe's contexts; decode_per_kv_token_s stays 0);
-  - prefill: what the shorter requests took beyond their decode steps, per prompt token (median
-    over the batches of 16 and more);
+  - prefill: the shorter requests again with prompts three times as long (each prompt thrice):
+    the extra time over the extra prompt tokens (median over the batches of 16 and more). Both
+    differences cancel what a request costs whatever its length (its Ray call from here: a run's
+    workers reach the engines over their own channel, which a simulated run has too);
   - the trainer: train steps of the recipe's prompts_per_step x n_samples_per_prompt samples with
     responses of bench.calibrate_tokens[0] and [1] tokens: optimizer_s and train_per_token_s are
     the line through step time against the step's (prompt + response) tokens;
@@ -90,10 +92,11 @@ def decode_steps(short: dict[int, float], long: dict[int, float], tokens: tuple[
     return {b: (long[b] - short[b]) / (tokens[1] - tokens[0]) for b in short}
 
 
-def prefill_per_token(short: dict[int, float], steps: dict[int, float], tokens: int, prompt_len: float) -> float:
-    """What the shorter requests took beyond their decode steps, per prompt token: the median over
-    batches of 16 and more (a lone request's time is mostly fixed costs)."""
-    per = [(short[b] - tokens * steps[b]) / (b * prompt_len) for b in short if b >= 16] or [0.0]
+def prefill_per_token(short: dict[int, float], long_prompts: dict[int, float], extra_tokens: float) -> float:
+    """Seconds a prompt token: what requests with `extra_tokens` more prompt tokens each took
+    beyond the same requests' time, over those tokens; the median over batches of 16 and more
+    (a lone request's time is mostly noise at this size)."""
+    per = [(long_prompts[b] - short[b]) / (b * extra_tokens) for b in short if b >= 16] or [0.0]
     return max(0.0, statistics.median(per))
 
 
@@ -188,17 +191,20 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
             _timed(engine, prompts, cfg.rollout.max_concurrent_loops, long_t, f"busy{i}")
 
         _timed(engine, prompts, max(bench.calibrate_batches), short_t, "warmup")
-        short: dict[int, list[float]] = {b: [] for b in bench.calibrate_batches}
-        long: dict[int, list[float]] = {b: [] for b in bench.calibrate_batches}
+        thrice = [(p * 3)[: cfg.engine.max_model_len - long_t] for p in prompts]
+        extra_prompt = statistics.fmean(len(t) - len(p) for t, p in zip(thrice, prompts))
+        times: dict[str, dict[int, list[float]]] = {k: {b: [] for b in bench.calibrate_batches}
+                                                    for k in ("short", "long", "thrice")}
         with _Busy(train if concurrent else None):
             for r in range(bench.rounds):
                 for b in bench.calibrate_batches:
-                    short[b].append(_timed(engine, prompts, b, short_t, f"s{r}-{b}"))
-                    long[b].append(_timed(engine, prompts, b, long_t, f"l{r}-{b}"))
-        short_s = {b: statistics.median(v) for b, v in short.items()}
-        steps = decode_steps(short_s, {b: statistics.median(v) for b, v in long.items()}, (short_t, long_t))
+                    times["short"][b].append(_timed(engine, prompts, b, short_t, f"s{r}-{b}"))
+                    times["long"][b].append(_timed(engine, prompts, b, long_t, f"l{r}-{b}"))
+                    times["thrice"][b].append(_timed(engine, thrice, b, short_t, f"p{r}-{b}"))
+        short_s, long_s, thrice_s = ({b: statistics.median(v) for b, v in times[k].items()}
+                                     for k in ("short", "long", "thrice"))
+        steps = decode_steps(short_s, long_s, (short_t, long_t))
         base, per_seq = fit_line(list(steps), list(steps.values()))
-        prompt_len = statistics.fmean(len(p) for p in prompts)
         lengths = _sampled_lengths(engine, cfg, prompts) if sample_lengths else []
 
         train_points = []
@@ -224,7 +230,7 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
         cores_engine=len(parse_cores(cfg.engine.cpu_cores)) if cfg.engine.cpu_cores else cores,
         cores_trainer=len(parse_cores(cfg.trainer.cpu_cores)) if cfg.trainer.cpu_cores else cores,
         decode_base_s=max(0.0, base), decode_per_seq_s=max(0.0, per_seq),
-        prefill_per_token_s=prefill_per_token(short_s, steps, short_t, prompt_len),
+        prefill_per_token_s=prefill_per_token(short_s, thrice_s, extra_prompt),
         train_per_token_s=max(0.0, per_token), optimizer_s=max(0.0, optimizer_s),
         weight_bytes=info.weight_bytes, broadcast_bytes_per_s=info.weight_bytes / broadcast_s, load_s=load_s,
         decode_points=[[b, s] for b, s in steps.items()], train_points=train_points)
