@@ -353,3 +353,36 @@ def test_calibration_reads_a_run_s_lengths_and_trained_share(tmp_path):
     assert hist == [[4, 1], [12, 5], [44, 2]] and share == 5 / 8  # bins of 8 tokens, named by their centres
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         run_lengths(tmp_path / "sync" / "nothing")
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_calibrate_measures_both_layouts_into_a_scenario_that_loads(tmp_path, base_model):
+    """`asyncrl calibrate` on real vLLM and megatron-core (a small cut): both layouts measured, the
+    scenario written with the async figures in place and the sync layout's as overrides, and it
+    composes into a valid config."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import run_cli
+
+    out_file = tmp_path / "sim_cpu_test.yaml"
+    out = run_cli("calibrate", "chain_sum_cot", "algorithm.prompts_per_step=8", "algorithm.n_samples_per_prompt=4",
+                  "bench.calibrate_batches=[1,16]", "bench.calibrate_tokens=[4,12]", "bench.rounds=1",
+                  f"bench.scenario_out={out_file}", f"run.output_dir={tmp_path}", "cluster.dashboard=false",
+                  cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "calibrate" and result["scenario"] == str(out_file)
+    assert (result["sync_cores_engine"], result["async_cores_engine"], result["async_cores_trainer"]) == (2, 1, 1)
+    for mode in ("sync", "async"):
+        assert 0 < result[f"{mode}_decode_per_seq_s"] < result[f"{mode}_decode_points"][-1][1]
+        assert result[f"{mode}_train_per_token_s"] > 0 and result[f"{mode}_weight_bytes"] > 0
+        assert [b for b, _ in result[f"{mode}_decode_points"]] == [1, 16]
+    assert result["trained_share"] == 1.0 and 1 <= result["mean_length"] <= 96  # sampled from the base
+    scenario = OmegaConf.load(out_file)
+    assert scenario.defaults[0] == "chain_sum_cot" and scenario.engine.sim.decode_per_seq_s > 0
+    assert "engine.tensor_parallel_size=2" in scenario.simulate.sync_overrides
+    flat = [f"{section}.sim.{k}={v}" for section in ("engine", "trainer") for k, v in scenario[section].sim.items()]
+    cfg = load_config(["recipe=chain_sum_cot", "engine=sim", "trainer=sim", *flat,
+                       f"simulate.sync_overrides=[{','.join(scenario.simulate.sync_overrides)}]"])
+    assert cfg.trainer.sim.train_per_token_s == pytest.approx(result["async_train_per_token_s"], rel=1e-3)

@@ -170,7 +170,9 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
     `concurrent`: each side is timed while the other works, as they run at once in an async run."""
     from transformers import AutoConfig
 
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    # A Ray cluster as a run starts one (its dashboard's processes float onto the trainer's core too)
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=cfg.cluster.dashboard,
+             log_to_driver=False)
     trainer = None
     try:
         engines = actors.create_engines(cfg)
