@@ -296,8 +296,8 @@ def test_the_colocated_baseline_takes_the_scenario_s_sync_overrides_before_count
     from asyncrl.bench.simulate import colocated_sync, devices
 
     cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim",
-                       "simulate.sync_overrides=[engine.tensor_parallel_size=2,trainer.tensor_parallel_size=2,"
-                       "engine.sim.decode_base_s=0.5,trainer.sim.train_per_token_s=0.25]"])
+                       "simulate.sync_overrides=['engine.tensor_parallel_size=2','trainer.tensor_parallel_size=2',"
+                       "'engine.sim.decode_base_s=0.5','trainer.sim.train_per_token_s=0.25']"])
     assert devices(cfg) == (1, 1)
     sync = colocated_sync(cfg)
     assert (sync.engine.num_engines, sync.engine.tensor_parallel_size, sync.trainer.data_parallel_size) == (1, 2, 1)
@@ -306,17 +306,16 @@ def test_the_colocated_baseline_takes_the_scenario_s_sync_overrides_before_count
     from asyncrl.config.validate import ConfigError
 
     with pytest.raises(ConfigError, match="simulate.sync_overrides=.*only a scenario"):
-        load_config(["recipe=arith", "simulate.sync_overrides=[engine.num_engines=2]"])
+        load_config(["recipe=arith", "simulate.sync_overrides=['engine.num_engines=2']"])
     with pytest.raises(ConfigError, match="each must be key=value on a section other than simulate"):
         load_config(["recipe=arith", "engine=sim", "trainer=sim", "simulate.sync_overrides=[engine.num_engines]"])
     with pytest.raises(ConfigError, match="engine.no_such_key"):
-        load_config(["recipe=arith", "engine=sim", "trainer=sim", "simulate.sync_overrides=[engine.no_such_key=1]"])
+        load_config(["recipe=arith", "engine=sim", "trainer=sim", "simulate.sync_overrides=['engine.no_such_key=1']"])
 
 
 def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
     cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.sim.train_per_token_s=0.001",
-                       "trainer.sim.optimizer_s=0", "trainer.sim.trained_share=0.5", "engine.sim.prompt_tokens=10",
-                       "cluster.time_scale=1000"])
+                       "trainer.sim.optimizer_s=0", "trainer.sim.trained_share=0.5", "engine.sim.prompt_tokens=10"])
     rank = SimTrainerRank(cfg, 0, 1)
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
@@ -324,7 +323,7 @@ def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
              for i in range(4)]
     result = rank.train_step([TrajectoryGroup("g", "p", trajs)], 0)
     # 4 samples of 10 prompt + 30 response tokens, half of them paid for, at 1 ms a token
-    assert result.metrics["train/step_s"] == pytest.approx(4 * 40 * 0.5 * 0.001, rel=0.05)
+    assert result.metrics["train/step_s"] == pytest.approx(4 * 40 * 0.5 * 0.001, rel=0.1)
 
 
 def test_calibration_fits_decode_prefill_and_trainer_figures_by_the_formulas():
@@ -384,5 +383,5 @@ def test_calibrate_measures_both_layouts_into_a_scenario_that_loads(tmp_path, ba
     assert "engine.tensor_parallel_size=2" in scenario.simulate.sync_overrides
     flat = [f"{section}.sim.{k}={v}" for section in ("engine", "trainer") for k, v in scenario[section].sim.items()]
     cfg = load_config(["recipe=chain_sum_cot", "engine=sim", "trainer=sim", *flat,
-                       f"simulate.sync_overrides=[{','.join(scenario.simulate.sync_overrides)}]"])
+                       f"simulate.sync_overrides=[{','.join(repr(o) for o in scenario.simulate.sync_overrides)}]"])
     assert cfg.trainer.sim.train_per_token_s == pytest.approx(result["async_train_per_token_s"], rel=1e-3)
