@@ -148,8 +148,8 @@ def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path
                sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
                "cluster.address=auto", f"run.output_dir={first}",
                "+engine.resources.engine_node=1", "+trainer.resources.trainer_node=1"]
-        deadline = time.monotonic() + 120
-        while True:  # the head's job agent registers a while after `ray start` returns
+        deadline = time.monotonic() + 300
+        while True:  # the head's job agent registers a while after `ray start` returns (minutes on a busy machine)
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
             if "No available agent to submit job" not in out.stderr or time.monotonic() > deadline:
                 break

@@ -140,17 +140,21 @@ def _sampled_lengths(engine: Any, cfg: Config, prompts: list[list[int]]) -> list
 
 class _Busy:
     """Keeps the other side at work from a thread while one side is timed: `work(i)` over and over
-    (None: nothing)."""
+    (None: nothing). An error in the work is raised on leaving, not lost with its thread."""
 
     def __init__(self, work: Callable[[int], None] | None):
         self.work, self.stop = work, threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
 
     def _run(self) -> None:
         i = 0
-        while not self.stop.is_set():
-            self.work(i)
-            i += 1
+        try:
+            while not self.stop.is_set():
+                self.work(i)
+                i += 1
+        except BaseException as e:  # handed to the timing thread in __exit__
+            self.error = e
 
     def __enter__(self) -> _Busy:
         if self.work is not None:
@@ -162,6 +166,8 @@ class _Busy:
         self.stop.set()
         if self.work is not None:
             self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"the load kept up while timing failed: {self.error!r}") from self.error
 
 
 def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], concurrent: bool,
@@ -195,6 +201,9 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
         _timed(engine, prompts, max(bench.calibrate_batches), short_t, "warmup")
         thrice = [(p * 3)[: cfg.engine.max_model_len - long_t] for p in prompts]
         extra_prompt = statistics.fmean(len(t) - len(p) for t, p in zip(thrice, prompts))
+        if extra_prompt < 1:
+            raise ValueError(f"engine.max_model_len={cfg.engine.max_model_len} leaves no room for longer prompts "
+                             f"beside bench.calibrate_tokens[1]={long_t} new tokens: lower it")
         times: dict[str, dict[int, list[float]]] = {k: {b: [] for b in bench.calibrate_batches}
                                                     for k in ("short", "long", "thrice")}
         with _Busy(train if concurrent else None):
@@ -344,6 +353,7 @@ def run_calibrate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     prompts = [tok.encode(p.prompt) for p in TaskSource(cfg.data).heldout[: cfg.algorithm.prompts_per_step]]
     runs = Path(cfg.run.output_dir or ".")
     lengths_from = Path(bench.lengths_from) if bench.lengths_from else None
+    from_run = run_lengths(lengths_from) if lengths_from is not None else None  # a bad path fails now
     figures: dict[str, LayoutFigures] = {}
     sampled: list[list[int]] = []
     for mode in ("sync", "async"):
@@ -351,8 +361,8 @@ def run_calibrate_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         figures[mode], got = measure_layout(mode_cfg, bench, prompts, mode == "async",
                                             lengths_from is None and mode == "sync")
         sampled = sampled or got
-    if lengths_from is not None:
-        lengths, trained_share = run_lengths(lengths_from)
+    if from_run is not None:
+        lengths, trained_share = from_run
         source = f"from the run(s) under {lengths_from} (their finished responses, all steps)"
     else:
         lengths, trained_share = sampled, 1.0
