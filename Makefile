@@ -45,6 +45,11 @@ bench: venv base-model
 	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.curve_every=4 \
 		bench.target_accuracy=0.3 eval.num_problems=200 eval.n_samples=1 "eval.pass_k=[1]" \
 		| tee build/bench/sync_vs_async.log
+	$(BIN)/asyncrl bench sync-vs-async recipe=chain_sum_cot bench.train_s=150 bench.repeats=2 \
+		| tee build/bench/sync_vs_async_pairs.log
+	$(BIN)/asyncrl calibrate chain_sum_cot bench.lengths_from=$$(grep -o '"runs": "[^"]*"' \
+		build/bench/sync_vs_async.log | cut -d'"' -f4) | tee build/bench/calibrate.log
+	$(BIN)/asyncrl simulate sim_cpu_chain_sum_cot bench.steps=16 | tee build/bench/simulate_cpu.log
 	$(BIN)/asyncrl bench faults recipe=arith trainer.total_steps=30 | tee build/bench/faults.log
 	$(BIN)/asyncrl bench staleness recipe=arith "bench.seeds=[1]" | tee build/bench/staleness.log
 	$(BIN)/asyncrl bench staleness recipe=arith "bench.losses=[]" "bench.staleness=[0,2,4]" \
