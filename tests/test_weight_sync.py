@@ -83,6 +83,9 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
                 assert result.tokens > 0 and result.metrics["train/grad_norm"] > 0
             spec = SamplingSpec(max_new_tokens=200, ignore_eos=True)
             in_flight = [engine.generate.remote(ids[k % 3], spec, f"flight-{version}-{k}") for k in range(4)]
+            deadline = time.monotonic() + 30  # all four decoding before the sync, on a busy machine too
+            while ray.get(engine.num_outstanding.remote()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
             time.sleep(0.1)
             # sync() itself raises if any engine's received checksums differ from what was sent.
             timings = sync.sync(version=version, pause_mode=pause_mode)
