@@ -67,14 +67,19 @@ def kill_all(tag: str) -> None:
         time.sleep(0.5)
 
 
-def _kill_one(tag: str, kind: str) -> None:
-    """SIGKILL one process of this kind."""
-    for p in tagged(tag):
-        with contextlib.suppress(psutil.Error):
-            if VICTIMS[kind] in " ".join(p.cmdline()):
-                p.send_signal(signal.SIGKILL)
-                return
-    raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill")
+def _kill_one(tag: str, kind: str, wait_s: float = 30.0) -> None:
+    """SIGKILL one process of this kind; on a busy machine one may be unreadable for a moment
+    (or, after an earlier fault, still starting), so look again for up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for p in tagged(tag):
+            with contextlib.suppress(psutil.Error):
+                if VICTIMS[kind] in " ".join(p.cmdline()):
+                    p.send_signal(signal.SIGKILL)
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill")
+        time.sleep(0.5)
 
 
 def _last_step(run_dir: Path) -> int:
