@@ -96,8 +96,7 @@ def prefill_per_token(short: dict[int, float], long_prompts: dict[int, float], e
     """Seconds a prompt token: what requests with `extra_tokens` more prompt tokens each took
     beyond the same requests' time, over those tokens; the median over batches of 16 and more
     (a lone request's time is mostly noise at this size)."""
-    per = [(long_prompts[b] - short[b]) / (b * extra_tokens) for b in short if b >= 16] or [0.0]
-    return max(0.0, statistics.median(per))
+    return max(0.0, statistics.median((long_prompts[b] - short[b]) / (b * extra_tokens) for b in short if b >= 16))
 
 
 def run_lengths(root: Path) -> tuple[list[list[int]], float]:

@@ -118,8 +118,9 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
         problems.append(f"bench.curve_every={b.curve_every!r}: must be >= 0")
     if not 0 <= b.target_accuracy <= 1:
         problems.append(f"bench.target_accuracy={b.target_accuracy!r}: must be in [0, 1]")
-    if len(set(b.calibrate_batches)) < 2 or any(n < 1 for n in b.calibrate_batches):
-        problems.append(f"bench.calibrate_batches={b.calibrate_batches!r}: at least two distinct batches >= 1")
+    if len(set(b.calibrate_batches)) < 2 or any(n < 1 for n in b.calibrate_batches) or max(b.calibrate_batches) < 16:
+        problems.append(f"bench.calibrate_batches={b.calibrate_batches!r}: at least two distinct batches >= 1, "
+                        "one of them >= 16 (prefill is timed on those)")
     if len(b.calibrate_tokens) != 2 or not 1 <= b.calibrate_tokens[0] < b.calibrate_tokens[1]:
         problems.append(f"bench.calibrate_tokens={b.calibrate_tokens!r}: two lengths, 1 <= shorter < longer")
     if b.train_s < 1:

@@ -66,6 +66,12 @@ def split(cfg: Config, engine_devices: int) -> Config:
                    trainer=replace(t, data_parallel_size=(total - engine_devices) // model_parallel))
 
 
+def whole_batch_loops(cfg: Config) -> int:
+    """Loops per rollout worker for a step's whole batch to generate at once (a synchronous baseline)."""
+    a, r = cfg.algorithm, cfg.rollout
+    return max(r.max_concurrent_loops, -(-a.prompts_per_step * a.n_samples_per_prompt // r.num_workers))
+
+
 def colocated_sync(cfg: Config) -> Config:
     """Every device an engine while generating and a trainer rank while training, in turns; the
     step's whole batch generates at once (the rollout workers run a loop for every sample). The
@@ -73,10 +79,9 @@ def colocated_sync(cfg: Config) -> Config:
     total = sum(devices(cfg))
     if cfg.simulate.sync_overrides:
         cfg = with_overrides(cfg, cfg.simulate.sync_overrides)
-    e, t, r, a = cfg.engine, cfg.trainer, cfg.rollout, cfg.algorithm
-    loops = -(-a.prompts_per_step * a.n_samples_per_prompt // r.num_workers)
+    e, t, r = cfg.engine, cfg.trainer, cfg.rollout
     return replace(cfg, engine=replace(e, num_engines=total // _engine_devices(cfg)),
-                   rollout=replace(r, max_concurrent_loops=max(r.max_concurrent_loops, loops)),
+                   rollout=replace(r, max_concurrent_loops=whole_batch_loops(cfg)),
                    trainer=replace(t, data_parallel_size=total // (t.tensor_parallel_size * t.pipeline_parallel_size)),
                    algorithm=replace(cfg.algorithm, max_staleness=0, policy_lag=0, partial_rollout=False))
 

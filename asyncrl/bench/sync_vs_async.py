@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.bench.config import BenchConfig
+from asyncrl.bench.simulate import whole_batch_loops
 from asyncrl.config import Config
 from asyncrl.monitoring.run_log import read_metrics
 
@@ -48,8 +49,7 @@ def mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> Co
     if mode == "sync":
         algorithm = replace(algorithm, max_staleness=0, partial_rollout=False)
         engine = replace(engine, cpu_cores="", cpu_threads_bind="auto")
-        loops = -(-algorithm.prompts_per_step * algorithm.n_samples_per_prompt // rollout.num_workers)
-        rollout = replace(rollout, cpu_cores="", max_concurrent_loops=max(rollout.max_concurrent_loops, loops))
+        rollout = replace(rollout, cpu_cores="", max_concurrent_loops=whole_batch_loops(cfg))
         trainer = replace(trainer, cpu_cores="", torch_threads=len(os.sched_getaffinity(0)))
     return replace(
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
