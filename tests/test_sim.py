@@ -341,6 +341,21 @@ def test_calibration_fits_decode_prefill_and_trainer_figures_by_the_formulas():
     assert prefill_per_token(short, {1: 5.0, 16: 0.46, 64: 1.96}, 50.0) == pytest.approx(0.00025)
 
 
+def test_calibration_times_a_batch_again_when_noise_makes_its_decode_step_negative():
+    from asyncrl.bench.calibrate import RETIMES, time_decode
+
+    # Batch 1's first long timing caught a hiccup of the machine in its short one: (0.05 - 0.2) / 10 < 0.
+    script = {(1, 0): (0.2, 0.05, 0.3), (1, 1): (0.01, 0.11, 0.02), (1, 2): (0.01, 0.13, 0.02),
+              (4, 0): (0.02, 0.22, 0.03)}
+    (short, long, thrice), retimed = time_decode([1, 4], 1, lambda b, r: script[b, r], (2, 12))
+    # batch 1's medians over three timings: short 0.01, long 0.11 -> a step of 10 ms; two retimes, since one
+    # more timing leaves the median of (0.2, 0.01) and (0.05, 0.11) at a step of -0.0025 s
+    assert retimed == 2 and short[1] == pytest.approx(0.01) and long[1] == pytest.approx(0.11)
+    assert (short[4], long[4], thrice[4]) == (0.02, 0.22, 0.03)  # batch 4 timed once
+    with pytest.raises(RuntimeError, match=rf"batch\(es\) \[1\] measured <= 0 s after {RETIMES} more timings"):
+        time_decode([1], 1, lambda b, r: (0.2, 0.05, 0.3), (2, 12))
+
+
 def test_calibration_reads_a_run_s_lengths_and_trained_share(tmp_path):
     from asyncrl.bench.calibrate import run_lengths
 

@@ -35,6 +35,7 @@ Last line: one JSON object with every figure and the scenario's path.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import statistics
 import subprocess
@@ -58,6 +59,9 @@ from asyncrl.metrics import LENGTH_BIN_TOKENS
 from asyncrl.monitoring.run_log import read_metrics
 from asyncrl.types import SamplingSpec
 
+logger = logging.getLogger(__name__)
+RETIMES = 3  # extra timings of a batch whose decode step came out <= 0 s before calibrate gives up
+
 
 @dataclass
 class LayoutFigures:
@@ -75,6 +79,7 @@ class LayoutFigures:
     load_s: float
     decode_points: list[list[float]]  # [batch, seconds a step]
     train_points: list[list[float]]  # [tokens, seconds a step]
+    decode_retimed: int  # extra timings of batches whose decode step came out <= 0 s (noise)
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -90,6 +95,35 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
 def decode_steps(short: dict[int, float], long: dict[int, float], tokens: tuple[int, int]) -> dict[int, float]:
     """Seconds a decode step at each batch: the longer requests' extra time over their extra tokens."""
     return {b: (long[b] - short[b]) / (tokens[1] - tokens[0]) for b in short}
+
+
+def time_decode(batches: Sequence[int], rounds: int, time_batch: Callable[[int, int], tuple[float, float, float]],
+                tokens: tuple[int, int]) -> tuple[tuple[dict[int, float], dict[int, float], dict[int, float]], int]:
+    """Median seconds of the short, long and long-prompt requests at each batch over `rounds`
+    timings (`time_batch(batch, round)` gives the three), and how many extra rounds batches took:
+    a decode step of <= 0 s is a hiccup of the machine during one timing, not the engine, so
+    that batch is timed again, up to RETIMES times, before calibrate gives up with why."""
+    times: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            times[b].append(time_batch(b, r))
+
+    def medians() -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        short, long, thrice = ({b: statistics.median(t[k] for t in ts) for b, ts in times.items()} for k in range(3))
+        return short, long, thrice
+
+    retimed = 0
+    while bad := [b for b, s in decode_steps(*medians()[:2], tokens).items() if s <= 0]:
+        if retimed == RETIMES:
+            raise RuntimeError(f"calibrate: the decode step at batch(es) {bad} measured <= 0 s after {RETIMES} more "
+                               f"timings: this machine is too busy to time it; raise bench.rounds or "
+                               f"bench.calibrate_tokens[1]={tokens[1]}")
+        retimed += 1
+        logger.warning("calibrate: the decode step at batch(es) %s measured <= 0 s; timing again (%d of %d)",
+                       bad, retimed, RETIMES)
+        for b in bad:
+            times[b].append(time_batch(b, rounds + retimed - 1))
+    return medians(), retimed
 
 
 def prefill_per_token(short: dict[int, float], long_prompts: dict[int, float], extra_tokens: float) -> float:
@@ -203,16 +237,14 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
         if extra_prompt < 1:
             raise ValueError(f"engine.max_model_len={cfg.engine.max_model_len} leaves no room for longer prompts "
                              f"beside bench.calibrate_tokens[1]={long_t} new tokens: lower it")
-        times: dict[str, dict[int, list[float]]] = {k: {b: [] for b in bench.calibrate_batches}
-                                                    for k in ("short", "long", "thrice")}
+
+        def time_batch(b: int, r: int) -> tuple[float, float, float]:
+            return (_timed(engine, prompts, b, short_t, f"s{r}-{b}"), _timed(engine, prompts, b, long_t, f"l{r}-{b}"),
+                    _timed(engine, thrice, b, short_t, f"p{r}-{b}"))
+
         with _Busy(train if concurrent else None):
-            for r in range(bench.rounds):
-                for b in bench.calibrate_batches:
-                    times["short"][b].append(_timed(engine, prompts, b, short_t, f"s{r}-{b}"))
-                    times["long"][b].append(_timed(engine, prompts, b, long_t, f"l{r}-{b}"))
-                    times["thrice"][b].append(_timed(engine, thrice, b, short_t, f"p{r}-{b}"))
-        short_s, long_s, thrice_s = ({b: statistics.median(v) for b, v in times[k].items()}
-                                     for k in ("short", "long", "thrice"))
+            (short_s, long_s, thrice_s), retimed = time_decode(bench.calibrate_batches, bench.rounds, time_batch,
+                                                               (short_t, long_t))
         steps = decode_steps(short_s, long_s, (short_t, long_t))
         base, per_seq = fit_line(list(steps), list(steps.values()))
         lengths = _sampled_lengths(engine, cfg, prompts) if sample_lengths else []
@@ -243,7 +275,7 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
         prefill_per_token_s=prefill_per_token(short_s, thrice_s, extra_prompt),
         train_per_token_s=max(0.0, per_token), optimizer_s=max(0.0, optimizer_s),
         weight_bytes=info.weight_bytes, broadcast_bytes_per_s=info.weight_bytes / broadcast_s, load_s=load_s,
-        decode_points=[[b, s] for b, s in steps.items()], train_points=train_points)
+        decode_points=[[b, s] for b, s in steps.items()], train_points=train_points, decode_retimed=retimed)
     return figures, lengths
 
 
