@@ -6,7 +6,7 @@ depend on `asyncrl.types` and the inference interface, never on the actors. A lo
 class registers itself by name; configs and dataset rows choose loops by name.
 """
 
-from agent_loops import chat_tool, multi_turn, partial_single_turn, partial_tool  # noqa: F401  (registers the loops)
+from agent_loops import chat_tool, multi_turn, partial_single_turn, partial_tool, sim_agent  # noqa: F401  (registers)
 from agent_loops.base import AgentLoop, LoopOutcome
 from agent_loops.registry import any_uses_tools, get_agent_loop, register_agent_loop, registered_agent_loops
 

@@ -23,6 +23,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
+from asyncrl.clock import Clock
 from asyncrl.config.schema import ToolsConfig
 from asyncrl.inference.protocol import InferenceInterface
 from asyncrl.types import AgentLoopSnapshot, GenerationResult, SamplingSpec, Segment, Trajectory, TrajectoryStatus
@@ -53,7 +54,7 @@ class AgentLoop:
 
     def __init__(self, engine: InferenceInterface, tokenizer: Any, sampling: SamplingSpec, max_model_len: int,
                  interrupt: asyncio.Event | None = None, env: Any = None, tools: ToolsConfig | None = None,
-                 chat_prompt: bool = False):
+                 chat_prompt: bool = False, clock: Clock | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -65,6 +66,7 @@ class AgentLoop:
         # The prompt is a conversation rendered by the chat template (the problem has messages):
         # loops that add environment messages render them with it.
         self.chat_prompt = chat_prompt
+        self.clock = clock or Clock()  # the run's: simulated seconds with simulated backends (sim_agent's tools)
 
     async def run(self, trajectory: Trajectory) -> LoopOutcome:
         """Start on a trajectory holding only the prompt."""

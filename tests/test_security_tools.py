@@ -186,7 +186,7 @@ def test_a_detached_child_does_not_outlive_the_run():
 def test_a_grandchild_holding_the_output_pipe_does_not_stretch_the_run():
     start = time.monotonic()
     out = run("import subprocess; subprocess.Popen(['sleep', '4713']); print('bye')", wall_s=30)
-    assert out == "bye\n" and time.monotonic() - start < 5 and gone("sleep 4713")
+    assert out == "bye\n" and time.monotonic() - start < 15 and gone("sleep 4713")  # not its 30 s
 
 
 def test_a_flood_of_output_is_never_read_past_its_cap():
@@ -204,7 +204,7 @@ def test_a_fork_bomb_is_contained():
     start = time.monotonic()
     out = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
               wall_s=3, max_processes=16)
-    assert out.startswith("error:") and time.monotonic() - start < 6
+    assert out.startswith("error:") and time.monotonic() - start < 15
     assert len([p for p in Path("/proc").iterdir() if p.name.isdigit()]) < 2000
 
 
@@ -228,7 +228,7 @@ def test_calculator_bombs_end_at_once(expression):
     assert len(expression) <= 23 + 2
     start = time.perf_counter()
     out = calculate(expression)
-    assert time.perf_counter() - start < 0.05 and (out.startswith("error:") or len(out) < 400)
+    assert time.perf_counter() - start < 0.5 and (out.startswith("error:") or len(out) < 400)
 
 
 def test_the_calculator_never_blocks_the_event_loop():
@@ -245,7 +245,7 @@ def test_the_calculator_never_blocks_the_event_loop():
         task.cancel()
         return max((b - a for a, b in zip(ticks, ticks[1:])), default=0.0)
 
-    assert asyncio.run(main()) < 0.2
+    assert asyncio.run(main()) < 1.0
 
 
 # -- tool output passing for markup --------------------------------------------------------

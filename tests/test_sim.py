@@ -3,6 +3,7 @@ lifecycle (batching, abort / keep, versions, interrupted == uninterrupted) in as
 simulated trainer's cost and staleness accounting, and the control-plane metrics."""
 
 import asyncio
+import copy
 import json
 import random
 import statistics
@@ -44,9 +45,10 @@ def test_lengths_follow_the_configured_median_and_p99():
     assert draws.count(50) / len(draws) == pytest.approx(0.75, abs=0.03)
 
 
-def _engine(scale: float = 200.0, **sim) -> SimEngine:
+def _engine(scale: float = 200.0, max_new_tokens: int = 64, **sim) -> SimEngine:
     cfg = EngineConfig(backend="sim", max_num_seqs=4, sim=SimEngineConfig(**sim))
-    return SimEngine(0, MODEL, MODEL, cfg, "cpu", stream_outputs=True, time_scale=scale, max_new_tokens=64)
+    return SimEngine(0, MODEL, MODEL, cfg, "cpu", stream_outputs=True, time_scale=scale,
+                     max_new_tokens=max_new_tokens)
 
 
 def _run(coro):
@@ -64,13 +66,13 @@ def test_a_batch_decodes_in_the_model_s_time_and_stamps_its_version():
         return engine.clock.now() - t0, results, engine.activity()
 
     elapsed, results, activity = _run(go())
-    # four requests in one batch: 64 steps of 1 simulated second, not 4 x 64
-    assert 64 <= elapsed < 64 * 1.5
+    # four requests in one batch: 64 steps of 1 simulated second, not 4 x 64 (the bound leaves 0.5 s real)
+    assert 64 <= elapsed < 160
     for r in results:
         assert (len(r.token_ids), r.finish_reason, set(r.versions)) == (64, "length", {3})
         assert len(set(r.token_ids)) == 1 and len(r.logprobs) == 64
-    assert activity.busy_s == pytest.approx(elapsed, rel=0.05)
-    assert activity.request_s == pytest.approx(4 * elapsed, rel=0.05)
+    assert activity.busy_s == pytest.approx(elapsed, abs=10)  # 50 ms real
+    assert activity.request_s == pytest.approx(4 * elapsed, abs=40)
 
 
 def test_requests_beyond_max_num_seqs_wait_for_room():
@@ -81,12 +83,12 @@ def test_requests_beyond_max_num_seqs_wait_for_room():
         await asyncio.gather(*(engine.generate([1], SamplingSpec(max_new_tokens=64), f"r{i}") for i in range(8)))
         return engine.clock.now() - t0
 
-    assert 20 <= _run(go()) < 30  # two batches of four, 10 steps each
+    assert 20 <= _run(go()) < 60  # two batches of four, 10 steps each (not 80: one at a time)
 
 
 def test_abort_returns_the_tokens_so_far_and_the_continuation_ends_where_an_uninterrupted_one_does():
     async def go():
-        engine = _engine(scale=50.0, decode_base_s=1.0, length_median=20, length_p99=40)
+        engine = _engine(scale=10.0, decode_base_s=1.0, length_median=20, length_p99=40)
         await engine.start()
         return await engine.generate([5, 6, 7], SamplingSpec(max_new_tokens=64), "a")
 
@@ -94,7 +96,7 @@ def test_abort_returns_the_tokens_so_far_and_the_continuation_ends_where_an_unin
     assert whole.finish_reason == "stop" and 0 < len(whole.token_ids) < 64
 
     async def interrupted():  # a fresh engine draws the same response token first, so the same response
-        e = _engine(scale=50.0, decode_base_s=1.0, length_median=20, length_p99=40)
+        e = _engine(scale=10.0, decode_base_s=1.0, length_median=20, length_p99=40)
         await e.start()
         request = asyncio.ensure_future(e.generate([5, 6, 7], SamplingSpec(max_new_tokens=64), "b"))
         await asyncio.sleep(e.clock.real(3.5))
@@ -113,7 +115,7 @@ def test_abort_returns_the_tokens_so_far_and_the_continuation_ends_where_an_unin
 
 def test_keep_freezes_requests_and_stamps_later_tokens_with_the_new_version():
     async def go():
-        engine = _engine(scale=50.0, decode_base_s=1.0, length_median=12, length_p99=12)
+        engine = _engine(scale=10.0, decode_base_s=1.0, length_median=12, length_p99=12)
         await engine.start()
         request = asyncio.ensure_future(engine.generate([1], SamplingSpec(max_new_tokens=64), "k"))
         await asyncio.sleep(engine.clock.real(4.5))
@@ -182,6 +184,11 @@ def test_sim_backends_come_as_a_pair_and_only_they_scale_time():
     with pytest.raises(ConfigError, match="engine.sim.length_p99=5: must be >= engine.sim.length_median=50"):
         load_config(["recipe=arith", "engine=sim", "trainer=sim", "engine.sim.length_median=50",
                      "engine.sim.length_p99=5"])
+    with pytest.raises(ConfigError, match="rollout.agent_loop='sim_agent': simulates tool-calling episodes on"):
+        load_config(["recipe=arith", "rollout.agent_loop=sim_agent"])
+    with pytest.raises(ConfigError, match="tools.sim.latency_p99_s=1.0: must be >= tools.sim.latency_median_s=2.0"):
+        load_config(["recipe=arith", "engine=sim", "trainer=sim", "rollout.agent_loop=sim_agent",
+                     "tools.sim.latency_median_s=2", "tools.sim.latency_p99_s=1"])
 
 
 def test_clock_scales_time():
@@ -203,6 +210,113 @@ def test_a_token_block_stands_for_its_tokens_in_time_and_length():
     assert len(result.token_ids) == 10 and result.finish_reason == "stop"  # 640 tokens in blocks of 64
     assert 640 <= elapsed < 640 * 1.5  # a decode step per token, not per block
 
+
+
+def test_a_multi_turn_context_costs_its_blocks_and_the_prefix_cache_spares_their_prefill():
+    engine = _engine(token_block=4)
+    r = engine.sim_tokens[0]
+    context = [1, 2, 3, r, r, 0, 0, 0, r]  # a prompt, a turn of 2 blocks, a result of 3, a turn of 1
+    assert engine._context_tokens(context) == (3 + 6 * 4, 3 + 6 * 4)  # no cache: everything prefills
+    assert engine._context_tokens([1, 2, 3]) == (3, 3)
+    cached = _engine(token_block=4, prefix_cache=True, prompt_tokens=100)
+    assert cached._context_tokens(context) == (100 + 6 * 4, 0)  # a continuation: all of it cached
+    assert cached._context_tokens(context[:-1]) == (100 + 5 * 4, 3 * 4)  # a next turn: the result prefills
+    assert cached._context_tokens([1, 2, 3]) == (100, 100)
+
+
+def _sim_loop(engine: SimEngine, interrupt: asyncio.Event | None = None, turn_done: asyncio.Event | None = None,
+              **tools_sim):
+    """A sim_agent loop on `engine`, called in-process as a worker's router calls it over its channel;
+    `turn_done` is set when a turn's request returns."""
+    from agent_loops import get_agent_loop
+    from asyncrl.config.schema import SimToolsConfig, ToolsConfig
+
+    class Inference:
+        async def agenerate(self, *args):
+            result = await engine.generate(*args)
+            if turn_done is not None:
+                turn_done.set()
+            return result
+
+    tools = ToolsConfig(max_calls=tools_sim.pop("max_calls", 8), sim=SimToolsConfig(**tools_sim))
+    return get_agent_loop("sim_agent")(Inference(), None, SamplingSpec(max_new_tokens=engine.max_new_tokens), 1024,
+                                       interrupt=interrupt, tools=tools, clock=engine.clock)
+
+
+def _trajectory():
+    from asyncrl.types import Trajectory
+
+    return Trajectory("p", "g", [5, 6, 7])
+
+
+FIXED_EPISODE = dict(calls_median=3, calls_p99=3, latency_median_s=2.0, latency_p99_s=2.0,
+                     result_tokens_median=4, result_tokens_p99=4)
+
+
+def test_a_sim_agent_episode_takes_its_turns_and_tool_calls_in_simulated_time():
+    from asyncrl.types import TrajectoryStatus
+
+    async def go(**tools_sim):
+        engine = _engine(scale=20.0, decode_base_s=0.1, length_median=5, length_p99=5)
+        await engine.start()
+        t0 = engine.clock.now()
+        outcome = await _sim_loop(engine, **tools_sim).run(_trajectory())
+        return engine.clock.now() - t0, outcome.trajectory
+
+    elapsed, t = _run(go(**FIXED_EPISODE))
+    # 3 calls of 2 s between 4 turns of 5 decode steps of 0.1 s: 6 + 2 s, and the control plane's own time
+    assert 8 <= elapsed < 12
+    assert t.status is TrajectoryStatus.OK and t.info == {"turns": 4, "tool_calls": 3, "tool_s": 6.0,
+                                                          "num_interruptions": 0}
+    assert t.loss_mask == ([1] * 5 + [0] * 4) * 3 + [1] * 5
+    assert t.versions == ([0] * 5 + [-1] * 4) * 3 + [0] * 5
+    _, cut = _run(go(**FIXED_EPISODE, max_calls=2))  # at tools.max_calls the episode ends, truncated
+    assert cut.status is TrajectoryStatus.TRUNCATED and (cut.info["turns"], cut.info["tool_calls"]) == (3, 2)
+
+
+def test_a_sim_agent_episode_interrupted_anywhere_ends_as_an_uninterrupted_one():
+    """Abort in a turn (the engine's pause) and the worker's interrupt during a tool call: resumed by a
+    fresh loop from the snapshot, the episode is the uninterrupted one, token for token."""
+    drawn = dict(calls_median=3, calls_p99=8, latency_median_s=3.0, latency_p99_s=9.0,
+                 result_tokens_median=4, result_tokens_p99=12)
+
+    def engine():  # turns of ~40 steps of 0.25 s: a pause 2.5 s into the first has 10 s of room
+        return _engine(scale=50.0, max_new_tokens=1024, decode_base_s=0.25, length_median=40, length_p99=120)
+
+    async def whole():
+        e = engine()
+        await e.start()
+        return (await _sim_loop(e, **drawn).run(_trajectory())).trajectory
+
+    async def aborted_in_a_turn():
+        e = engine()
+        await e.start()
+        run = asyncio.ensure_future(_sim_loop(e, **drawn).run(_trajectory()))
+        await e.clock.asleep(2.5)
+        await e.pause("abort")
+        await e.resume()  # before awaiting the loop: one that was in a tool call goes on
+        snapshot = (await run).snapshot
+        return copy.deepcopy(snapshot), (await _sim_loop(e, **drawn).resume(snapshot)).trajectory
+
+    async def interrupted_in_a_call():
+        e, interrupt, turn_done = engine(), asyncio.Event(), asyncio.Event()
+        await e.start()
+        run = asyncio.ensure_future(_sim_loop(e, interrupt, turn_done, **drawn).run(_trajectory()))
+        await turn_done.wait()  # the loop went on to its first call without yielding: it is in it
+        interrupt.set()
+        snapshot = (await run).snapshot
+        return copy.deepcopy(snapshot), (await _sim_loop(e, **drawn).resume(snapshot)).trajectory
+
+    t = _run(whole())
+    assert t.info["tool_calls"] >= 1 and t.info["turns"] == t.info["tool_calls"] + 1
+    in_call, resumed_in_call = _run(interrupted_in_a_call())
+    assert in_call.trajectory.loss_mask[-1] == 0 and in_call.loop_state["tool_calls"] == 1  # the call completed first
+    for snapshot, resumed in (_run(aborted_in_a_turn()), (in_call, resumed_in_call)):
+        assert snapshot.state == "generating" and snapshot.num_interruptions == 1
+        assert snapshot.trajectory.num_response_tokens < t.num_response_tokens
+        assert resumed.response_token_ids == t.response_token_ids and resumed.loss_mask == t.loss_mask
+        assert {k: resumed.info[k] for k in ("turns", "tool_calls", "tool_s")} == \
+            {k: t.info[k] for k in ("turns", "tool_calls", "tool_s")}
 
 SMALL_SCENARIO = ["engine.num_engines=2", "engine.sim.replicas=1", "trainer.data_parallel_size=2",
                   "rollout.num_workers=1", "rollout.max_concurrent_loops=32", "algorithm.prompts_per_step=8",
@@ -236,31 +350,54 @@ def test_simulate_runs_a_scenario_through_the_real_control_plane(tmp_path, base_
     # than the model; more by the real time the step's own work took, 20-fold, on a busy machine.)
     for r in steps:
         model_s = (32 * 300 + r["train/tokens"] * 64) * (0.00088 + 0.00029) / 4 + 16 * 0.3
-        assert model_s <= r["train/step_s"] < model_s * 2 + 5
+        assert model_s <= r["train/step_s"] < model_s * 2 + 20  # 1 s real
         assert r["throughput/step_s"] > r["train/step_s"]
     assert result["sync_step_s"] > 0 and result["async_step_s"] > 0
     assert result["speedup"] == pytest.approx(result["sync_step_s"] / result["async_step_s"])
     assert 0 <= result["trainer_idle"] <= 1 and 0 <= result["engine_idle"] <= 1
     assert 0 < result["staleness_mean"] <= 2
     assert set(result["control_cpu_s"]) == {"driver", "queue", "worker", "engine"}
-    assert 0 < result["control_plane_s_per_step"] and result["control_plane_share"] < 0.05
+    assert 0 < result["control_plane_s_per_step"] and result["control_plane_share"] < 0.1
     # the sweep's one arm: 1 engine device : 3 trainer ranks, its row beside the colocated run's
     assert [(r["engine_devices"], r["max_staleness"]) for r in result["sweep"]] == [(1, 2)]
     check_run(tmp_path / "sweep0", eta=2, steps=3, batch=8, plots=False, weights=False)
     assert "| 1 : 3 | 2 | yes |" in (tmp_path / "sweep.md").read_text() and (tmp_path / "sweep.png").is_file()
 
 
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_an_agentic_scenario_trains_through_the_real_control_plane(tmp_path, base_model):
+    """The 32B agentic scenario, cut small: sim_agent episodes (turns, tool calls, results) run on
+    rollout workers against simulated engines, are interrupted at syncs and resumed, and the run
+    keeps a real run's invariants."""
+    from tests.conftest import run_cli
+    from tests.test_train_e2e import check_run
+
+    out = run_cli("train", "recipe=sim_agentic32b_64gpu", "engine.num_engines=2", "trainer.data_parallel_size=8",
+                  "rollout.num_workers=2", "rollout.max_concurrent_loops=16", "algorithm.prompts_per_step=8",
+                  "algorithm.n_samples_per_prompt=4", "trainer.total_steps=3", "cluster.time_scale=100",
+                  "eval.num_problems=1", "logging.wandb.enabled=false", "cluster.dashboard=false",
+                  f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    check_run(tmp_path, eta=2, steps=3, batch=8, weights=False)
+    steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "train/staleness_max" in r]
+    # episodes made their calls (12 a median episode) and every call returned its result
+    assert steps[-1]["rollout/tool_calls"] > 3 * 32 and steps[-1]["rollout/tool_call_validity"] == 1.0
+    assert max(r["train/staleness_max"] for r in steps) >= 1  # episodes spanned syncs
+
 def test_replicas_are_engines_of_their_own_in_one_actor():
     async def go():
-        engine = _engine(decode_base_s=1.0, length_median=10, length_p99=10, replicas=2)
+        engine = _engine(scale=50.0, decode_base_s=1.0, length_median=10, length_p99=10, replicas=2)
         await engine.start()
         t0 = engine.clock.now()
         await asyncio.gather(*(engine.generate([1], SamplingSpec(max_new_tokens=64), f"r{i}") for i in range(8)))
         return engine.clock.now() - t0, engine.activity()
 
     elapsed, activity = _run(go())
-    assert 10 <= elapsed < 15  # two batches of four at once, not one after the other
-    assert activity.busy_s == pytest.approx(elapsed, rel=0.1)  # both replicas busy all along
+    assert 10 <= elapsed < 18  # two batches of four at once, not one after the other (20)
+    assert activity.busy_s == pytest.approx(elapsed, abs=2)  # both replicas busy all along (40 ms real)
 
 
 def test_simulate_derives_the_colocated_baseline_and_splits_from_the_scenario_s_devices(base_model):
@@ -314,7 +451,7 @@ def test_the_colocated_baseline_takes_the_scenario_s_sync_overrides_before_count
 
 
 def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
-    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.sim.train_per_token_s=0.001",
+    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.sim.train_per_token_s=0.005",
                        "trainer.sim.optimizer_s=0", "trainer.sim.trained_share=0.5", "engine.sim.prompt_tokens=10"])
     rank = SimTrainerRank(cfg, 0, 1)
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
@@ -322,8 +459,9 @@ def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
     trajs = [Trajectory("p", "g", [1] * 10, [Segment.from_policy([5] * 30, [-1.0] * 30, 0)], reward=float(i % 2))
              for i in range(4)]
     result = rank.train_step([TrajectoryGroup("g", "p", trajs)], 0)
-    # 4 samples of 10 prompt + 30 response tokens, half of them paid for, at 1 ms a token
-    assert result.metrics["train/step_s"] == pytest.approx(4 * 40 * 0.5 * 0.001, rel=0.1)
+    # 4 samples of 10 prompt + 30 response tokens, half of them paid for, at 5 ms a token: 0.4 s (all: 0.8)
+    assert rank.step_s(4 * 40 // 2, 1) == pytest.approx(0.4)
+    assert 0.4 <= result.metrics["train/step_s"] < 0.7
 
 
 def test_calibration_fits_decode_prefill_and_trainer_figures_by_the_formulas():

@@ -104,7 +104,10 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
     proc, run_dir = start_training(tmp_path, tag)
     try:
         wait_for_step(run_dir, proc)
-        victims = [p for p in tagged(tag) if "ray::TrainerRank" in " ".join(p.cmdline())]
+        deadline = time.monotonic() + 30  # a process being set up may not be readable at first
+        while not (victims := [p for p in tagged(tag) if "ray::TrainerRank" in " ".join(p.cmdline())]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert victims, leftovers(tag, wait_s=0)
         victims[0].kill()  # the injected error: trainer rank 0 dies mid-run
         out, err = proc.communicate(timeout=180)

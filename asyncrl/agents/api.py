@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import ConfigDict, Field, GetPydanticSchema
 
 from agent_loops.chat import load_named_template, prompt_token_ids
+from asyncrl.clock import Clock
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Failure
@@ -274,7 +275,7 @@ class Agent(ABC):
         loop_cls = get_agent_loop(problem.agent_loop or self.agent_loop)
         return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
                         env=functools.partial(self.observe, problem), tools=self.cfg.tools,
-                        chat_prompt=bool(problem.messages))
+                        chat_prompt=bool(problem.messages), clock=Clock(self.cfg.cluster.time_scale))
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward from its decoded response; a reward function that raises or

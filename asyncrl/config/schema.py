@@ -147,6 +147,9 @@ class SimEngineConfig:
     # and each costs a block's decode steps here and a block's tokens in the simulated trainer.
     # Long responses (28K tokens) then cost the control plane blocks, not tokens.
     token_block: int = 1
+    # A conversation's later turns, and a response's continuation, prefill only what follows the
+    # context's last response token (vLLM's prefix cache holds the rest); off: the whole context.
+    prefix_cache: bool = False
     # Simulated engines (each engine.tensor_parallel_size devices) per engine actor: the scenario
     # has engine.num_engines x replicas of them. A Ray actor process costs this machine about 1 %
     # of a core even idle: a hundred engine processes would saturate two cores.
@@ -311,6 +314,22 @@ class SandboxConfig:
 
 
 @dataclass
+class SimToolsConfig:
+    """rollout.agent_loop=sim_agent (scenarios on simulated engines, agent_loops/sim_agent.py):
+    an episode's tool calls, each a latency and a result, drawn from lognormals given by their
+    median and 99th percentile. Latencies are in the run's (simulated) seconds; results in
+    simulated tokens, blocks of engine.sim.token_block, as rollout.max_new_tokens counts them."""
+
+    calls_median: float = 4.0  # tool calls an episode makes (at tools.max_calls it ends, truncated)
+    calls_p99: float = 16.0
+    latency_median_s: float = 1.0
+    latency_p99_s: float = 10.0
+    result_tokens_median: float = 16.0
+    result_tokens_p99: float = 128.0
+    seed: int = 0
+
+
+@dataclass
 class ToolsConfig:
     """The tools that tool-calling agent loops (partial_tool, chat_tool) run."""
 
@@ -320,6 +339,7 @@ class ToolsConfig:
     parser: str = "hermes"
     timeout_s: float = 30.0  # per call, whatever the tool
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sim: SimToolsConfig = field(default_factory=SimToolsConfig)
 
 
 @dataclass

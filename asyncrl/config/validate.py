@@ -328,6 +328,13 @@ def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
     at_least("trainer.sim.weight_bytes", s.weight_bytes, 0)
     need(s.broadcast_bytes_per_s > 0, "trainer.sim.broadcast_bytes_per_s", s.broadcast_bytes_per_s, "must be > 0")
     need(0 < s.trained_share <= 1, "trainer.sim.trained_share", s.trained_share, "must be in (0, 1]")
+    need(c.rollout.agent_loop != "sim_agent" or sim_engine, "rollout.agent_loop", c.rollout.agent_loop,
+         "simulates tool-calling episodes on simulated engines: use it with engine=sim trainer=sim")
+    ts = c.tools.sim
+    for name, unit in (("calls", ""), ("latency", "_s"), ("result_tokens", "")):
+        median, p99 = getattr(ts, f"{name}_median{unit}"), getattr(ts, f"{name}_p99{unit}")
+        at_least(f"tools.sim.{name}_median{unit}", median, 0)
+        need(p99 >= median, f"tools.sim.{name}_p99{unit}", p99, f"must be >= tools.sim.{name}_median{unit}={median}")
     overrides = c.simulate.sync_overrides
     need(not overrides or sim_engine, "simulate.sync_overrides", overrides,
          "only a scenario (engine=sim trainer=sim) has a simulated sync baseline")

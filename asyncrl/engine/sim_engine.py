@@ -7,7 +7,8 @@ The model (engine.sim, in simulated seconds; asyncrl.clock turns them into real 
     step boundary; a decode step gives every running request one token and takes
     decode_base_s + decode_per_seq_s * batch + decode_per_kv_token_s * (tokens in the batch's
     contexts); a request's prefill (its prompt, or engine.sim.prompt_tokens) is added to the
-    step that admits it;
+    step that admits it; with engine.sim.prefix_cache a later turn of a conversation, or a
+    response's continuation, prefills only what follows the context's last response token;
   - each response's length is drawn from a distribution (lognormal with a median and a 99th
     percentile, or a histogram), cut at rollout.max_new_tokens ("length"; otherwise "stop");
   - with engine.sim.token_block = k each simulated token stands for k tokens (lengths and costs
@@ -22,15 +23,17 @@ of decode steps at once: its cost is per event, not per token.
 A response repeats one token, drawn from the vocabulary's last NUM_SIM_TOKENS ids when it starts
 (the rewards of simulated runs are not what they measure). That token and the prompt seed its
 length, so a response that was aborted and is continued (the prompt then ends with the g tokens
-it had, g = rollout.max_new_tokens minus the request's budget) gets the same length as if it had
-not been: interrupted equals uninterrupted, as on the real engine.
+it had: a run of its token no longer than what the request's budget says the loop has used)
+gets the same length as if it had not been: interrupted equals uninterrupted, as on the real
+engine. Everything in a context from its first response token on (responses, and what a
+multi-turn loop appended between them) was made by the loop, in blocks: each costs a block's
+tokens of prefill and context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from bisect import bisect_left
@@ -41,10 +44,10 @@ from asyncrl.clock import Clock
 from asyncrl.config.schema import EngineConfig, SimEngineConfig
 from asyncrl.engine.pause import check_pause
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
+from asyncrl.lognormal import lognormal
 from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
 from asyncrl.types import GenerationResult, SamplingSpec
 
-Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 NUM_SIM_TOKENS = 64  # distinct response tokens: the n samples of a prompt rarely share one (and their length)
 
 
@@ -80,8 +83,7 @@ class LengthModel:
     """Response lengths: a lognormal through (median, p99), or a histogram [[tokens, count], ...]."""
 
     def __init__(self, c: SimEngineConfig):
-        self.median = c.length_median
-        self.sigma = math.log(c.length_p99 / c.length_median) / Z99
+        self.median, self.p99 = c.length_median, c.length_p99
         self.values = [int(t) for t, _ in c.length_hist]
         counts = [n for _, n in c.length_hist]
         self.cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
@@ -91,13 +93,14 @@ class LengthModel:
         if self.values:
             i = bisect_left(self.cumulative, rng.random() * self.cumulative[-1])
             return max(1, self.values[min(i, len(self.values) - 1)])
-        return max(1, round(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))))
+        return max(1, round(lognormal(self.median, self.p99, rng)))
 
 
 @dataclass
 class _Request:
     request_id: str
-    prompt_tokens: int  # what its prefill costs, in tokens
+    prefill_tokens: int  # what its prefill costs, in tokens
+    context_tokens: int  # its context when admitted, in tokens (decode reads their KV cache)
     target: int  # simulated tokens it will generate unless stopped (blocks: engine.sim.token_block)
     token_id: int
     done: asyncio.Future
@@ -137,10 +140,10 @@ class _Replica:
             self.still.clear()
             while self.waiting and len(self.running) < e.cfg.max_num_seqs:
                 request = self.waiting.pop(0)
-                self.prefill_debt += e.decode.prefill_s(request.prompt_tokens)
+                self.prefill_debt += e.decode.prefill_s(request.prefill_tokens)
                 self.running.append(request)
             batch = len(self.running)
-            context = sum(r.prompt_tokens + r.tokens * block for r in self.running)
+            context = sum(r.context_tokens + r.tokens * block for r in self.running)
             n = min(r.target - r.tokens for r in self.running)
             t0 = e.clock.now()
             self.wake.clear()
@@ -243,8 +246,8 @@ class SimEngine:
         token_id, had, length = self._response(prompt_token_ids, sampling.max_new_tokens)
         block = self.cfg.sim.token_block
         left = max(0, -(-length // block) - had)  # in blocks
-        prompt = (self.cfg.sim.prompt_tokens or len(prompt_token_ids) - had) + had * block  # in tokens
-        request = _Request(request_id, prompt, min(left, sampling.max_new_tokens), token_id,
+        context, prefill = self._context_tokens(prompt_token_ids)
+        request = _Request(request_id, prefill, context, min(left, sampling.max_new_tokens), token_id,
                            asyncio.get_running_loop().create_future(), stop=left < sampling.max_new_tokens)
         if not request.target:
             return request.result("stop" if request.stop else "length")
@@ -262,13 +265,28 @@ class SimEngine:
     def _response(self, prompt: list[int], budget: int) -> tuple[int, int, int]:
         """(its token, tokens it already had, its whole length) for the response this request
         continues: one that was aborted after g tokens, or a new one."""
-        had = self.max_new_tokens - budget
-        if 0 < had < len(prompt) and prompt[-1] in self.sim_tokens and prompt[-had:].count(prompt[-1]) == had:
+        used = self.max_new_tokens - budget  # the loop's tokens so far: every turn's, and what came between
+        had = 0
+        if used > 0 and prompt and prompt[-1] in self.sim_tokens:
+            while had < min(used, len(prompt)) and prompt[-1 - had] == prompt[-1]:
+                had += 1
+        if had:
             token_id, head = prompt[-1], prompt[:-had]
         else:
-            token_id, head, had = self.rng.choice(self.sim_tokens), prompt, 0
+            token_id, head = self.rng.choice(self.sim_tokens), prompt
         length = self.lengths.draw(random.Random(hash((tuple(head), token_id, self.cfg.sim.seed))))
         return token_id, had, length
+
+    def _context_tokens(self, prompt: list[int]) -> tuple[int, int]:
+        """(the context's tokens, those its prefill costs): the prompt's own (or engine.sim.prompt_tokens),
+        then a block for every simulated token from the first response token on."""
+        sim = self.cfg.sim
+        first = next((i for i, t in enumerate(prompt) if t in self.sim_tokens), len(prompt))
+        context = (sim.prompt_tokens or first) + (len(prompt) - first) * sim.token_block
+        if not sim.prefix_cache or first == len(prompt):
+            return context, context
+        after_last = next(i for i, t in enumerate(reversed(prompt)) if t in self.sim_tokens)
+        return context, after_last * sim.token_block  # cached up to the last response token
 
     def num_outstanding(self) -> int:
         return sum(r.outstanding for r in self.replicas)
