@@ -13,7 +13,7 @@ from tests.conftest import REPO
 # the collective helpers, metrics and logging, the task data.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
           "asyncrl.sync.collective", "asyncrl.metrics", "asyncrl.monitoring", "asyncrl.cpu_cores", "asyncrl.tasks",
-          "asyncrl.recipe_hooks", "asyncrl.clock")
+          "asyncrl.recipe_hooks", "asyncrl.clock", "asyncrl.lognormal")
 AGENT_LOOPS = ("agent_loops",)
 # Each actor's folder, and what (besides the bottom) it may use. Agents and agent loops are
 # libraries the rollout workers run, not actors of their own.
