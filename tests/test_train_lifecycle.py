@@ -25,6 +25,7 @@ from tests.test_env_server import free_port
 from tests.test_train_e2e import TINY, check_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
+TAG = "ASYNCRL_TEST_CLUSTER"  # the variable that marks a test's processes
 
 def cluster_tag() -> str:
     """A value for ASYNCRL_TEST_CLUSTER: every process a run starts inherits it, so the test finds
@@ -34,7 +35,7 @@ def cluster_tag() -> str:
 
 def tagged(tag: str) -> list[psutil.Process]:
     """The live processes whose environment carries ASYNCRL_TEST_CLUSTER=tag."""
-    return faults.tagged(tag, "ASYNCRL_TEST_CLUSTER")
+    return faults.tagged(tag, TAG)
 
 
 def kill_tagged(tag: str, grace_s: float = 10) -> None:
@@ -78,7 +79,7 @@ def start_training(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
     args = [*TINY, "trainer.total_steps=200", "eval.every_steps=0", f"run.output_dir={run_dir}"]
     proc = subprocess.Popen([*ASYNCRL, "train", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "ASYNCRL_TEST_CLUSTER": tag})
+                            env={**os.environ, TAG: tag})
     return proc, run_dir
 
 
@@ -104,12 +105,7 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
     proc, run_dir = start_training(tmp_path, tag)
     try:
         wait_for_step(run_dir, proc)
-        deadline = time.monotonic() + 30  # a process being set up may not be readable at first
-        while not (victims := [p for p in tagged(tag) if "ray::TrainerRank" in " ".join(p.cmdline())]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert victims, leftovers(tag, wait_s=0)
-        victims[0].kill()  # the injected error: trainer rank 0 dies mid-run
+        faults.kill_one(tag, "trainer", variable=TAG)  # the injected error: trainer rank 0 dies mid-run
         out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -128,7 +124,7 @@ def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path
     # The test stops exactly this cluster's processes by their tag (`ray stop` would stop every Ray
     # cluster on the machine, the test session's own included).
     tag = cluster_tag()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "ASYNCRL_TEST_CLUSTER": tag}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", TAG: tag}
     ray_bin = str(Path(sys.executable).parent / "ray")
     # Ports of its own: the defaults are taken by the session's cluster or other tests' clusters.
     dashboard = free_port()

@@ -67,12 +67,13 @@ def kill_all(tag: str) -> None:
         time.sleep(0.5)
 
 
-def _kill_one(tag: str, kind: str, wait_s: float = 30.0) -> None:
-    """SIGKILL one process of this kind; on a busy machine one may be unreadable for a moment
-    (or, after an earlier fault, still starting), so look again for up to `wait_s`."""
+def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV) -> None:
+    """SIGKILL one process of this kind among those tagged `variable`=tag; on a busy machine one
+    may be unreadable for a moment (or, after an earlier fault, still starting), so look again
+    for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        for p in tagged(tag):
+        for p in tagged(tag, variable):
             with contextlib.suppress(psutil.Error):
                 if VICTIMS[kind] in " ".join(p.cmdline()):
                     p.send_signal(signal.SIGKILL)
@@ -139,7 +140,7 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                     kill_all(tag)
                     break
                 seen = len(_events(run_dir, kind))
-                _kill_one(tag, kind)
+                kill_one(tag, kind)
                 injected[kind] = {"step": _last_step(run_dir), "recoveries_before": seen}
                 print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
                       flush=True)
