@@ -13,7 +13,9 @@ Everything after the subcommand goes to Hydra, so its flags work too:
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -39,6 +41,8 @@ def usage() -> str:
 
 
 def main() -> None:
+    # `kill -USR1 PID` prints every thread's stack to stderr: where a run that seems stuck waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help", "help"):
         print(usage())
         return

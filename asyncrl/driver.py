@@ -804,5 +804,8 @@ def run_training(cfg: Config, run_dir: Path) -> dict[str, Any]:
         driver.setup()
         driver.train()
         return driver.finish(wall_start)
+    except Exception as e:  # said before the cleanup, which may take a while (engines shut down)
+        logger.error("the run stops: %s; stopping its actors", error_line(e))
+        raise
     finally:
         driver.cleanup()

@@ -221,9 +221,12 @@ def test_staleness_bench_holds_the_staleness_it_is_given(tmp_path, base_model):
     """One controlled run (the engines 2 versions behind the trainer, admission at eta - lag = 0, no
     partial rollout): from step 3 on every trained token is exactly 2 versions old. It is also the
     end-to-end run of the engine's model in a vLLM worker process of its own."""
+    # Uniform groups are trained too (zero advantage): a step whose groups all had one reward would
+    # otherwise train no token, and its staleness would read 0.
     out = run_cli("bench", "staleness", "recipe=arith", *TINY_SETTINGS, *WORKER_PROCESS, "bench.staleness=[2]",
                   "bench.losses=[grpo]", "bench.seeds=[1]", "bench.steps=3", "bench.eval_every=2",
-                  f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
+                  "algorithm.loss.filter_uniform_groups=false", f"run.output_dir={tmp_path}", cwd=tmp_path,
+                  timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "staleness" and result["steps"] == 3 and result["samples_per_run"] == 3 * 4 * 4

@@ -78,8 +78,10 @@ def run_loop(engine, tokenizer, prompt, max_new_tokens, pause_after_s=None):
             return await task, None
         await asyncio.sleep(pause_after_s)
         await engine.pause.remote("abort")
-        outcome = await task
+        # Resumed before the loop is awaited: a request that reached the engine after the pause
+        # (a busy machine) waits for resume() and then runs in full.
         await engine.resume.remote()
+        outcome = await task
         if outcome.finished:  # finished before the pause landed
             return outcome, None
         snapshot = outcome.snapshot

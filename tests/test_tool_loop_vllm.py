@@ -209,8 +209,8 @@ def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tool_mod
             task = asyncio.ensure_future(run(loop, fmt, tokenizer, prompt))
             await asyncio.sleep(delay)
             await engine.pause.remote("abort")
+            await engine.resume.remote()  # before awaiting: a request sent after the pause waits for it
             outcome = await task
-            await engine.resume.remote()
             if outcome.finished:
                 return outcome
             partial_lengths.add(outcome.snapshot.trajectory.num_response_tokens)

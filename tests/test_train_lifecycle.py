@@ -61,6 +61,22 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -
     raise AssertionError("no train step within the timeout")
 
 
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The run's stdout and stderr once it ended; if it does not end within `timeout`, fail with
+    where its driver waits (asyncrl.cli prints every thread's stack on SIGUSR1)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        main = err[err.find("Current thread"):][:4000] if "Current thread" in err else err[-3000:]
+        others = err[err.find("Thread 0x"):][:4000] if "Thread 0x" in err else ""
+        pytest.fail(f"the run did not end within {timeout:g}s; its driver's main thread:\n{main}\n"
+                    f"its other threads:\n{others}\nstdout's end:\n{out[-1500:]}")
+
+
 def leftovers(tag: str, wait_s: float = 30) -> dict[int, str]:
     """The run's processes (Ray's, vLLM's, the driver's) still alive `wait_s` after it ended."""
     deadline = time.monotonic() + wait_s
@@ -89,7 +105,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     try:
         wait_for_step(run_dir, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
-        out, err = proc.communicate(timeout=120)
+        out, err = communicate(proc, 120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -106,7 +122,7 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
     try:
         wait_for_step(run_dir, proc)
         faults.kill_one(tag, "trainer", variable=TAG)  # the injected error: trainer rank 0 dies mid-run
-        out, err = proc.communicate(timeout=180)
+        out, err = communicate(proc, 180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

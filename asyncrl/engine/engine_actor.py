@@ -63,6 +63,7 @@ T = TypeVar("T")
 # An aborted request delivers its final output within milliseconds; one still outstanding
 # after this long is queued behind the pause inside vLLM and is aborted by the actor.
 ABORT_GRACE_S = 0.1
+ABORT_GIVE_UP_S = 60.0  # an abort pause that cannot empty the engine fails (the engine is replaced) instead of hanging
 # How often a call waiting on the engine core (a health check, a weight update) looks whether the core died.
 HEALTH_POLL_S = 0.5
 # Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
@@ -282,14 +283,24 @@ class EngineActor:
     async def _drain_aborted(self, mode: str, t0: float) -> None:
         """`abort`: wait until the aborted streams delivered their final outputs. A request
         submitted just before the pause can reach the engine core after its abort sweep;
-        the core then holds it until resume, so past a grace period it is aborted here."""
-        if mode != "abort" or self._idle.is_set():
+        the core then holds it until resume, so past a grace period it is aborted here (again
+        each grace period until none is left; after ABORT_GIVE_UP_S the pause fails)."""
+        if mode != "abort":
             return
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, t0 + ABORT_GRACE_S - time.monotonic()))
-        except TimeoutError:
+        grace_end = t0 + ABORT_GRACE_S
+        while not self._idle.is_set():
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, grace_end - time.monotonic()))
+                return
+            except TimeoutError:
+                pass
+            if time.monotonic() - t0 > ABORT_GIVE_UP_S:
+                raise RuntimeError(f"engine-{self.engine_id}: requests {sorted(self._outstanding)[:5]} still "
+                                   f"outstanding {ABORT_GIVE_UP_S:g}s into an abort pause")
+            # Again until none is left: an abort finds only requests vLLM already registered, and
+            # one still on its way in (a busy event loop) registers after it, held by the paused core.
             await self._llm.abort(list(self._outstanding))
-            await self._idle.wait()
+            grace_end = time.monotonic() + ABORT_GRACE_S
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Load a full Hugging Face-named state dict and become `version`. Returns seconds taken."""
