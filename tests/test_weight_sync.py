@@ -54,7 +54,8 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, base_model, tmp_path, prepack,
                                                                 load_paths, pause_mode):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
-                       "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25"])
+                       "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25",
+                       "engine.max_model_len=512"])  # in-flight requests long enough to outlast the trainer's staging
     tok = AutoTokenizer.from_pretrained(base_model)
     trainer, engines = None, []
     try:
@@ -81,7 +82,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
             for step in range(3):
                 result = trainer.train_step(make_groups(tok, seed=10 * version + step), version - 1)
                 assert result.tokens > 0 and result.metrics["train/grad_norm"] > 0
-            spec = SamplingSpec(max_new_tokens=200, ignore_eos=True)
+            spec = SamplingSpec(max_new_tokens=480, ignore_eos=True)
             in_flight = [engine.generate.remote(ids[k % 3], spec, f"flight-{version}-{k}") for k in range(4)]
             deadline = time.monotonic() + 30  # all four decoding before the sync, on a busy machine too
             while ray.get(engine.num_outstanding.remote()) < 4 and time.monotonic() < deadline:
