@@ -1,7 +1,7 @@
 """How the driver tells a fault from a bug: a trainer rank whose process died, as TrainerGroup
-sees it (real Ray actors standing in for the ranks). The faults themselves, on the real stack
-(an engine's vLLM process, a rollout worker and a trainer rank killed, a run killed whole and
-resumed), are `asyncrl bench faults`, run by tests/test_bench.py."""
+and WeightSync see it (real Ray actors standing in for the ranks and an engine). The faults
+themselves, on the real stack (an engine's vLLM process, a rollout worker and a trainer rank
+killed, a run killed whole and resumed), are `asyncrl bench faults`, run by tests/test_bench.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import time
 import pytest
 import ray
 
+from asyncrl.messages import StagedWeights
+from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 
@@ -51,6 +53,39 @@ def test_a_dead_rank_is_a_fault_and_a_raising_rank_is_an_error(ranks):
         group.get([r.step.remote(m) for r, m in zip(ranks, ["die", "peer_died"])])
     with pytest.raises(TrainerRankDied):
         group.check_alive()
+
+
+class DyingSender(Rank):
+    """Trainer rank 0 of a sync: stages, then dies while it sends."""
+
+    def stage_weights(self, version: int, newest: bool) -> StagedWeights:
+        return StagedWeights(0.0, {}, version)
+
+    def broadcast_weights(self) -> None:
+        time.sleep(0.5)
+        os._exit(1)
+
+
+class StuckEngine:
+    """An engine whose update does not end by itself (stuck before its receive: a broadcast would
+    have told it the sender is gone)."""
+
+    def update_weights(self, version: int, pause_mode: str) -> None:
+        time.sleep(300)
+
+
+def test_a_trainer_rank_that_dies_in_a_sync_is_found_while_the_engines_still_wait(ray_cluster):
+    rank, engine = ray.remote(DyingSender).remote(), ray.remote(StuckEngine).remote()
+    try:
+        sync = WeightSync(TrainerGroup([rank]), [engine], "gloo")
+        sync.connected = True  # nothing travels: the stand-ins need no broadcast group
+        t0 = time.monotonic()
+        with pytest.raises(TrainerRankDied, match="trainer rank 0 died"):
+            sync.sync(1)
+        assert time.monotonic() - t0 < 60  # not after the engine's 300 s
+    finally:
+        ray.kill(engine)
+        ray.kill(rank)
 
 
 def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):

@@ -87,7 +87,8 @@ class WeightSync:
         # One call per engine: it pauses itself, receives while the trainer sends, and resumes.
         sent_refs = self.trainer.broadcast_weights_async()
         # With algorithm.policy_lag the trainer sends an older version; the engines stamp that one.
-        received = self._updates([e.update_weights.remote(sent.version, pause_mode) for e in self.engines], version)
+        received = self._updates([e.update_weights.remote(sent.version, pause_mode) for e in self.engines], version,
+                                 sent_refs)
         self.trainer.get(sent_refs)
         t1 = self.clock.now()
         for i, r in enumerate(received):
@@ -104,18 +105,30 @@ class WeightSync:
         logger.debug("weight sync -> version %d: %s", version, timings)
         return timings
 
-    def _updates(self, refs: list[ray.ObjectRef], version: int) -> list[WeightUpdateReport]:
-        """Every engine's report; `EnginesFailed` if one failed (and which ones are left waiting)."""
+    def _updates(self, refs: list[ray.ObjectRef], version: int,
+                 sent_refs: list[ray.ObjectRef]) -> list[WeightUpdateReport]:
+        """Every engine's report; `EnginesFailed` if one failed (and which ones are left waiting).
+        The trainer's sends (`sent_refs`) are watched meanwhile: a rank whose process died raises
+        `TrainerRankDied` at once, where engines not yet in their receive would wait for it."""
         index = {ref: i for i, ref in enumerate(refs)}
-        pending, failed = list(refs), {}
+        pending, sending, failed = list(refs), list(sent_refs), {}
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=SYNC_FAILURE_GRACE_S if failed else None)
+            ready, _ = ray.wait(pending + sending, num_returns=1, timeout=SYNC_FAILURE_GRACE_S if failed else None)
             if not ready:
                 break
+            ref = ready[0]
+            if ref in index:
+                pending.remove(ref)
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    failed[index[ref]] = error_line(e)
+                continue
+            sending.remove(ref)
             try:
-                ray.get(ready[0])
-            except Exception as e:
-                failed[index[ready[0]]] = error_line(e)
+                ray.get(ref)
+            except Exception:  # a dead rank: TrainerRankDied; otherwise the engines' side says what broke
+                self.trainer.check_alive()
         if failed:
             raise EnginesFailed(version, failed, sorted(index[r] for r in pending))
         return ray.get(refs)
