@@ -297,8 +297,9 @@ class EngineActor:
             if time.monotonic() - t0 > ABORT_GIVE_UP_S:
                 raise RuntimeError(f"engine-{self.engine_id}: requests {sorted(self._outstanding)[:5]} still "
                                    f"outstanding {ABORT_GIVE_UP_S:g}s into an abort pause")
-            # Again until none is left: an abort finds only requests vLLM already registered, and
-            # one still on its way in (a busy event loop) registers after it, held by the paused core.
+            # Again until none is left: an abort finds only requests vLLM already registered, and one
+            # still on its way in (vLLM prepares a prompt in an executor thread first) registers after
+            # it, held by the paused core.
             await self._llm.abort(list(self._outstanding))
             grace_end = time.monotonic() + ABORT_GRACE_S
 
