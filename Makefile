@@ -51,7 +51,7 @@ bench: venv base-model
 		build/bench/sync_vs_async.log | cut -d'"' -f4) | tee build/bench/calibrate.log
 	$(BIN)/asyncrl simulate sim_cpu_chain_sum_cot bench.steps=16 | tee build/bench/simulate_cpu.log
 	$(BIN)/asyncrl bench faults recipe=arith trainer.total_steps=30 | tee build/bench/faults.log
-	$(BIN)/asyncrl bench staleness recipe=arith "bench.seeds=[1]" | tee build/bench/staleness.log
+	$(BIN)/asyncrl bench staleness recipe=arith | tee build/bench/staleness.log
 	$(BIN)/asyncrl bench staleness recipe=arith "bench.losses=[]" "bench.staleness=[0,2,4]" \
 		"bench.pause_modes=[abort,keep]" "bench.seeds=[1]" | tee build/bench/keep_abort.log
 	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
