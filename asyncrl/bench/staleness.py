@@ -1,7 +1,7 @@
 """`asyncrl bench staleness`: what staleness does to learning, per loss, on the real stack.
 
     asyncrl bench staleness recipe=arith                              # 5 staleness x 3 losses x 2 seeds
-    asyncrl bench staleness recipe=arith "bench.seeds=[1]"            # the small grid: ~34 min here (both: 68)
+    asyncrl bench staleness recipe=arith "bench.seeds=[1]"            # one seed: ~32 min here (both: 68)
     asyncrl bench staleness recipe=arith "bench.pause_modes=[abort,keep]"   # + free-running runs
 
 Controlled runs: for each seed, loss in `bench.losses` and k in `bench.staleness`, the recipe

@@ -291,17 +291,15 @@ class EngineActor:
         while not self._idle.is_set():
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, grace_end - time.monotonic()))
-                return
             except TimeoutError:
-                pass
-            if time.monotonic() - t0 > ABORT_GIVE_UP_S:
-                raise RuntimeError(f"engine-{self.engine_id}: requests {sorted(self._outstanding)[:5]} still "
-                                   f"outstanding {ABORT_GIVE_UP_S:g}s into an abort pause")
-            # Again until none is left: an abort finds only requests vLLM already registered, and one
-            # still on its way in (vLLM prepares a prompt in an executor thread first) registers after
-            # it, held by the paused core.
-            await self._llm.abort(list(self._outstanding))
-            grace_end = time.monotonic() + ABORT_GRACE_S
+                if time.monotonic() - t0 > ABORT_GIVE_UP_S:
+                    raise RuntimeError(f"engine-{self.engine_id}: requests {sorted(self._outstanding)[:5]} still "
+                                       f"outstanding {ABORT_GIVE_UP_S:g}s into an abort pause") from None
+                # Again until none is left: an abort finds only requests vLLM already registered, and one
+                # still on its way in (vLLM prepares a prompt in an executor thread first) registers after
+                # it, held by the paused core.
+                await self._llm.abort(list(self._outstanding))
+                grace_end = time.monotonic() + ABORT_GRACE_S
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Load a full Hugging Face-named state dict and become `version`. Returns seconds taken."""

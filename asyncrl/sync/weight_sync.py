@@ -117,18 +117,14 @@ class WeightSync:
             if not ready:
                 break
             ref = ready[0]
-            if ref in index:
-                pending.remove(ref)
-                try:
-                    ray.get(ref)
-                except Exception as e:
-                    failed[index[ref]] = error_line(e)
-                continue
-            sending.remove(ref)
+            (pending if ref in index else sending).remove(ref)
             try:
                 ray.get(ref)
-            except Exception:  # a dead rank: TrainerRankDied; otherwise the engines' side says what broke
-                self.trainer.check_alive()
+            except Exception as e:
+                if ref in index:
+                    failed[index[ref]] = error_line(e)
+                else:  # a dead rank: TrainerRankDied; otherwise the engines' side says what broke
+                    self.trainer.check_alive()
         if failed:
             raise EnginesFailed(version, failed, sorted(index[r] for r in pending))
         return ray.get(refs)
