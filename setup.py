@@ -25,6 +25,7 @@ REQUIRES = [
     "tqdm",
     "jsonschema",  # tool-call arguments checked against the tools' schemas
     "numpy",  # weight-sync checksums (torch and vLLM depend on it too)
+    "pyseccomp",  # the python tool's system-call filter (libseccomp's ctypes binding; needs libseccomp.so.2)
 ]
 
 setup(

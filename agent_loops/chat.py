@@ -9,7 +9,11 @@ Two properties make multi-turn rollouts token-exact:
     placeholder for every message's content; the template's own text is tokenized with
     its special tokens (role markers such as <|im_start|>), each content on its own with
     `split_special_tokens=True`, and the pieces are joined. A tool that prints "<|im_end|>"
-    gives text, not an end of turn.
+    gives text, not an end of turn. Where the tokenizer has no special token for one of the
+    template's markers (tags such as <|im_end|> or <tool_response> in its own text), the marker
+    is plain text to it, and content spelling it would tokenize exactly like the template's
+    own: in contents, such markers have their "<" written as "&lt;". A template whose
+    end-of-turn marker is plain text that is not such a tag is refused.
   - Appending messages only appends tokens. The model's turns are kept as sampled; a tool
     or environment message is added as the tokens the template renders for it: the
     rendering of a reference conversation with the messages, minus the rendering without
@@ -36,6 +40,15 @@ _PLACEHOLDER_RE = re.compile("\x00content(\\d+)\x00")
 # prefix-stable template), and the content of the probe messages of the prefix check.
 _REFERENCE = ({"role": "user", "content": "u"}, {"role": "assistant", "content": "a"})
 _PROBE_TOOLS = ({"role": "tool", "name": "probe", "content": "1"}, {"role": "tool", "name": "probe", "content": "2"})
+# A conversation with every role, a tool call and a tool offered: the template's own text around it
+# holds its markers.
+_PROBE_SCHEMA = {"type": "function", "function": {"name": "probe", "description": "p", "parameters": {}}}
+_PROBE_CONVERSATION = ({"role": "system", "content": "s"}, *_REFERENCE,
+                       {"role": "assistant", "content": "c", "tool_calls": [
+                           {"type": "function", "function": {"name": "probe", "arguments": {}}}]},
+                       *_PROBE_TOOLS)
+# What a template's markers look like: tags (<|im_start|>, </tool_response>, <|eot_id|>, <tool_call>).
+_MARKER_RE = re.compile(r"<[^<>\s]{1,64}>")
 
 Message = dict[str, Any]
 
@@ -79,6 +92,8 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.template = template
         self.name = name or "the tokenizer's chat template"
+        self.text_markers = self._text_markers()
+        self._escape_re = re.compile("|".join(map(re.escape, self.text_markers))) if self.text_markers else None
         self.end_of_turn = self._end_of_turn()
         self._check_prefix_stable()
 
@@ -135,11 +150,32 @@ class ChatFormat:
             if i % 2 == 0:
                 ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
             else:
-                ids += self.tokenizer(contents[int(piece)], add_special_tokens=False,
+                ids += self.tokenizer(self.escape(contents[int(piece)]), add_special_tokens=False,
                                       split_special_tokens=True)["input_ids"]
         return ids
 
+    def escape(self, content: str) -> str:
+        """`content` with each of the template's plain-text markers written with "&lt;" for its "<"."""
+        return self._escape_re.sub(lambda m: "&lt;" + m[0][1:], content) if self._escape_re else content
+
     # -- checks -------------------------------------------------------------------------
+
+    def _text_markers(self) -> tuple[str, ...]:
+        """The template's markers that this tokenizer reads as plain text (not one special token)."""
+        found: set[str] = set()
+        for tools in (None, [_PROBE_SCHEMA]):
+            try:
+                text, _ = self._render_text(list(_PROBE_CONVERSATION), tools, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001  (a template may refuse this probe; the others still count)
+                continue
+            found.update(_MARKER_RE.findall(_PLACEHOLDER_RE.sub("", text)))
+        special = set(self.tokenizer.all_special_ids)
+
+        def is_special(marker: str) -> bool:
+            ids = self.tokenizer(marker, add_special_tokens=False)["input_ids"]
+            return len(ids) == 1 and ids[0] in special
+
+        return tuple(sorted(m for m in found if not is_special(m)))
 
     def _end_of_turn(self) -> EndOfTurn:
         """What the template writes after an assistant turn's content."""
@@ -159,6 +195,11 @@ class ChatFormat:
         if len(marker_ids) == 1 and marker_ids[0] in set(self.tokenizer.all_special_ids):
             # a special token never shows in the detokenized text a stop string is matched on
             return EndOfTurn(closing, (), (marker_ids[0],))
+        if marker not in self.text_markers:
+            raise ChatTemplateError(f"chat template {self.name}: its end-of-turn marker {marker!r} is plain text to "
+                                    "this tokenizer and not a tag that message contents can be escaped from, so tool "
+                                    "output could end a turn and forge the next; use a tokenizer with it as a special "
+                                    "token or another template (model.chat_template)")
         return EndOfTurn(closing, (marker,), ())
 
     def _check_prefix_stable(self) -> None:

@@ -11,13 +11,17 @@ VENV=.venv
 DEVICE=${ASYNCRL_DEVICE:-cpu}
 STAMP=$VENV/.asyncrl-installed
 
-# The python tool's sandbox (agent_loops/tools/python_sandbox.py) runs model code in bubblewrap.
-if ! command -v bwrap >/dev/null; then
+# The python tool's sandbox (agent_loops/tools/python_sandbox.py) runs model code in bubblewrap,
+# under a system-call filter built with libseccomp.
+missing=()
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null || missing+=(libseccomp2)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "setup_venv: installing bubblewrap (the python tool's sandbox) ..."
-    apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null; }
+    echo "setup_venv: installing ${missing[*]} (the python tool's sandbox) ..."
+    apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "${missing[@]}" >/dev/null; }
   else
-    echo "setup_venv: bubblewrap (bwrap) is not installed: the python tool will refuse to run (docs/security.md)" >&2
+    echo "setup_venv: ${missing[*]} not installed: the python tool will refuse to run (docs/security.md)" >&2
   fi
 fi
 

@@ -4,10 +4,16 @@ With `isolation: bwrap` (the default) each run is one bubblewrap container:
   - its own PID, network, mount, IPC and UTS namespaces: it sees no other process, has no
     network (not even loopback), and the whole container dies with its first process or
     when the tool kills it (a detached or daemonized child cannot outlive the run);
-  - a read-only view of /usr and of the Python installation, nothing else of the host's
-    files; a private writable directory (the working directory, also TMPDIR and HOME);
-  - an unprivileged user: a fresh uid of its own when asyncrl runs as root (capabilities
-    dropped, no-new-privs), the caller's own uid in a user namespace otherwise;
+  - a read-only view of /usr and of the Python installation (its site-packages hidden: the
+    standard library only), nothing else of the host's files; a private writable directory (the
+    working directory, also TMPDIR and HOME) that is a tmpfs of `disk_mb` inside the container,
+    gone with it: nothing the code writes reaches the host's disk or outlives the call;
+  - an unprivileged user: when asyncrl runs as root a uid never used before on this host (a
+    host-wide counter), capabilities dropped, no-new-privs; the caller's own uid in a user
+    namespace otherwise;
+  - a system-call filter (syscall_filter.py) refusing what code tools never need;
+  - bwrap's options passed through a file descriptor, so the container's /proc/1/cmdline does
+    not show how the host built it;
   - limits set before the code runs: CPU time, address space, file size, processes, open
     files; wall time enforced from outside;
   - at most `max_output_bytes` of its stdout+stderr are ever read.
@@ -20,16 +26,18 @@ Every failure comes back as text starting with "error:"; the tool itself never r
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
-import itertools
 import logging
 import os
 import shutil
 import signal
+import site
 import sys
 import tempfile
 from pathlib import Path
 
+from agent_loops.tools.syscall_filter import FilterUnavailable, filter_bpf
 from asyncrl.config.schema import SandboxConfig
 
 logger = logging.getLogger(__name__)
@@ -47,10 +55,14 @@ del resource, cpu_s, mem, fsize, nproc, limit, value
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
 _INSIDE_DIR = "/sandbox"
-# Uids of sandboxed code when asyncrl runs as root: far above any real user's, and one per run,
-# so that the process limit counts only that run's processes.
+# Uids of sandboxed code when asyncrl runs as root: far above any real user's and below
+# (uid_t)-1, one per run and never used twice on a host (until 2.5e9 runs), so that the process
+# limit counts only that run's processes and no kernel state keyed by uid links two runs.
 _UID_BASE = 1_500_000_000
-_uids = itertools.count()
+_UID_COUNT = 2_500_000_000
+# The host-wide counter behind them: in /run (root's, emptied at boot, as is every kernel object a
+# uid could have left behind), else the temp dir.
+_UID_COUNTER = "asyncrl-sandbox-uid"
 
 
 class SandboxUnavailable(RuntimeError):
@@ -76,10 +88,14 @@ def check_sandbox(cfg: SandboxConfig) -> None:
                                  "(Debian/Ubuntu: apt-get install bubblewrap; scripts/setup_venv.sh does this as "
                                  "root), or set tools.sandbox.isolation=none tools.sandbox.allow_unisolated=true "
                                  "to run model code unisolated")
+    try:
+        filter_bpf()
+    except FilterUnavailable as e:
+        raise SandboxUnavailable(str(e)) from None
     probe = _probe_bwrap()
     if probe:
-        raise SandboxUnavailable(f"bubblewrap cannot create the sandbox on this host: {probe} (unprivileged user "
-                                 "namespaces may be disabled: see docs/security.md)")
+        raise SandboxUnavailable(f"bubblewrap cannot create the sandbox on this host: {probe} (it needs bubblewrap "
+                                 ">= 0.8 and user namespaces or root: see docs/security.md)")
 
 
 @functools.cache
@@ -93,12 +109,14 @@ def _probe_bwrap() -> str:
     """Empty when a trivial sandbox runs, else bwrap's complaint."""
     import subprocess
 
-    with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-probe-") as workdir:
-        argv = _bwrap_argv(workdir, [*_interpreter_argv(), "-c", "pass"])
-        try:
-            done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return str(e)
+    argv, fds = _bwrap_argv([*_interpreter_argv(), "-c", "pass"], SandboxConfig().disk_mb)
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, pass_fds=fds)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        for fd in fds:
+            os.close(fd)
     return "" if done.returncode == 0 else (done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}")
 
 
@@ -109,45 +127,58 @@ async def run_python(code: str, cfg: SandboxConfig | None = None) -> str:
     not the model's)."""
     cfg = cfg or SandboxConfig()
     check_sandbox(cfg)
-    with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-") as workdir:
-        limits = [str(cfg.cpu_s), str(cfg.memory_mb * 2**20), str(cfg.max_file_mb * 2**20), str(cfg.max_processes)]
-        command = [*_interpreter_argv(), "-c", _BOOTSTRAP, *limits]
-        if cfg.isolation == "bwrap":
-            argv, cwd = _bwrap_argv(workdir, command), None
-        else:
-            argv, cwd = command, workdir
-        # The code comes from a file and the output goes to a pipe of our own: asyncio's pipes
-        # would make wait() wait for every writer of the output, and we stop reading at the cap.
-        with tempfile.TemporaryFile() as code_file:
-            code_file.write(code.encode())
-            code_file.seek(0)
-            read_end, write_end = os.pipe()
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=code_file, stdout=write_end, stderr=write_end, cwd=cwd, start_new_session=True,
-                    env={"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir},
-                )
-            except OSError as e:
-                os.close(read_end)
-                return f"error: could not start the sandbox: {e}"
-            finally:
-                os.close(write_end)
-        output = _Output(read_end)
+    limits = [str(cfg.cpu_s), str(cfg.memory_mb * 2**20), str(cfg.max_file_mb * 2**20), str(cfg.max_processes)]
+    command = [*_interpreter_argv(), "-c", _BOOTSTRAP, *limits]
+    if cfg.isolation == "bwrap":
+        argv, fds = _bwrap_argv(command, cfg.disk_mb)
+        workdir = None
+        env = {"PATH": "/usr/bin:/bin"}
+    else:
+        fds, argv = [], command
+        workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir}
+    try:
+        return await _run(argv, fds, workdir, env, code, cfg)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if workdir is not None:
+            await _remove_tree(workdir)
 
-        async def finish() -> tuple[bytes, bool]:
-            data, truncated = await output.read(cfg.max_output_bytes)
-            if not truncated:  # at the cap the run is killed, below
-                await proc.wait()
-            return data, truncated
 
+async def _run(argv: list[str], fds: list[int], cwd: str | None, env: dict[str, str], code: str,
+               cfg: SandboxConfig) -> str:
+    # The code comes from a file and the output goes to a pipe of our own: asyncio's pipes
+    # would make wait() wait for every writer of the output, and we stop reading at the cap.
+    with tempfile.TemporaryFile() as code_file:
+        code_file.write(code.encode())
+        code_file.seek(0)
+        read_end, write_end = os.pipe()
         try:
-            data, truncated = await asyncio.wait_for(finish(), timeout=cfg.wall_s)
-        except asyncio.TimeoutError:
-            return f"error: wall-time limit of {cfg.wall_s:g}s exceeded"
-        finally:  # whatever happened (a timeout, the cap, the caller cancelling): nothing is left running
-            _kill(proc)
-            output.close()
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=code_file, stdout=write_end, stderr=write_end, cwd=cwd, start_new_session=True,
+                env=env, pass_fds=fds)
+        except OSError as e:
+            os.close(read_end)
+            return f"error: could not start the sandbox: {e}"
+        finally:
+            os.close(write_end)
+    output = _Output(read_end)
+
+    async def finish() -> tuple[bytes, bool]:
+        data, truncated = await output.read(cfg.max_output_bytes)
+        if not truncated:  # at the cap the run is killed, below
             await proc.wait()
+        return data, truncated
+
+    try:
+        data, truncated = await asyncio.wait_for(finish(), timeout=cfg.wall_s)
+    except asyncio.TimeoutError:
+        return f"error: wall-time limit of {cfg.wall_s:g}s exceeded"
+    finally:  # whatever happened (a timeout, the cap, the caller cancelling): nothing is left running
+        _kill(proc)
+        output.close()
+        await proc.wait()
     text = data.decode(errors="replace")
     if truncated:
         text += f"\n... [output truncated at {cfg.max_output_bytes} bytes]"
@@ -218,28 +249,80 @@ def _interpreter_argv() -> list[str]:
     return [str(exe), "-I", "-B"]
 
 
-def _bwrap_argv(workdir: str, command: list[str]) -> list[str]:
-    """bwrap's command line for one run in `workdir`."""
-    argv = [_bwrap() or "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _INSIDE_DIR, "--setenv", "TMPDIR", _INSIDE_DIR,
-            "--ro-bind", "/usr", "/usr", "--dev", "/dev", "--proc", "/proc"]
+def _bwrap_argv(command: list[str], disk_mb: int) -> tuple[list[str], list[int]]:
+    """bwrap's command line for one run, and the file descriptors it reads (to pass to it and
+    close after): its options, so that they stay off the container's /proc/1/cmdline, and the
+    compiled system-call filter."""
+    options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+               "--die-with-parent", "--new-session", "--clearenv",
+               "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _INSIDE_DIR, "--setenv", "TMPDIR", _INSIDE_DIR,
+               "--ro-bind", "/usr", "/usr", "--dev", "/dev", "--proc", "/proc"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
+            options += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
+            options += ["--ro-bind", top, top]
     prefix = os.path.realpath(sys.base_prefix)
     if not prefix.startswith("/usr/"):
         # bwrap copies the modes of the host's parent directories (/root is 0700): make them traversable
         for parent in reversed(Path(prefix).parents[:-1]):
-            argv += ["--perms", "0755", "--dir", str(parent)]
-        argv += ["--ro-bind", prefix, prefix]
-    argv += ["--bind", workdir, _INSIDE_DIR, "--chdir", _INSIDE_DIR]
+            options += ["--perms", "0755", "--dir", str(parent)]
+        options += ["--ro-bind", prefix, prefix]
+    for packages in _site_packages():  # the docs promise the standard library, nothing installed beside it
+        options += ["--tmpfs", packages, "--remount-ro", packages]
+    # The writable directory lives and dies with the container: nothing to clean up on the host, whatever
+    # the code wrote (depth, count, size), and its size is bounded.
+    options += ["--size", str(disk_mb * 2**20), "--perms", "0777", "--tmpfs", _INSIDE_DIR, "--chdir", _INSIDE_DIR]
     if os.geteuid() == 0:
-        uid = _UID_BASE + (os.getpid() % 100_000) * 1000 + next(_uids) % 1000
-        os.chown(workdir, uid, uid)
+        uid = _next_uid()
         drop = [shutil.which("setpriv") or "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}",
                 "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-        return [*argv, "--", *drop, *command]
-    return [*argv, "--unshare-user", "--", *command]
+    else:
+        options.append("--unshare-user")
+        drop = []
+    options_fd = _memfd("bwrap-args", b"".join(o.encode() + b"\0" for o in options))
+    filter_fd = _memfd("bwrap-seccomp", filter_bpf())
+    argv = [_bwrap() or "bwrap", "--args", str(options_fd), "--seccomp", str(filter_fd), "--", *drop, *command]
+    return argv, [options_fd, filter_fd]
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@functools.cache
+def _site_packages() -> tuple[str, ...]:
+    """The base interpreter's directories of installed packages that the sandbox would see."""
+    found = site.getsitepackages([sys.base_prefix]) + ["/usr/lib/python3/dist-packages"]
+    return tuple(sorted({os.path.realpath(d) for d in found if os.path.isdir(d)}))
+
+
+def _next_uid() -> int:
+    """A uid no earlier run on this host had (the counter is shared by every process of the host)."""
+    base = "/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()
+    fd = os.open(os.path.join(base, _UID_COUNTER), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():  # someone else's file could hand out used uids
+            raise SandboxUnavailable(f"{base}/{_UID_COUNTER} is not owned by this user: remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a write: microseconds
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        n = int(text) if text.isdigit() else 0
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(n + 1).encode())
+    finally:
+        os.close(fd)
+    return _UID_BASE + n % _UID_COUNT
+
+
+async def _remove_tree(path: str) -> None:
+    """Remove an unisolated run's directory off the event loop, whatever its depth or file count
+    (shutil.rmtree recurses, and stops at Python's recursion limit)."""
+    proc = await asyncio.create_subprocess_exec("rm", "-rf", "--one-file-system", "--", path,
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        logger.warning("python tool: could not remove %s: %s", path, err.decode(errors="replace").strip())

@@ -301,7 +301,7 @@ class SandboxConfig:
     """Where and under which limits model-written code runs (docs/security.md)."""
 
     # bwrap: bubblewrap namespaces (no network, own PID/mount/IPC/UTS), a read-only view of
-    # /usr and the interpreter, an unprivileged user. none: a plain child process with the
+    # /usr and the interpreter, an unprivileged user, a system-call filter. none: a plain child process with the
     # limits below but no isolation; refused unless allow_unisolated is set.
     isolation: str = "bwrap"
     allow_unisolated: bool = False
@@ -309,6 +309,7 @@ class SandboxConfig:
     wall_s: float = 10.0
     memory_mb: int = 512  # address space, per process
     max_file_mb: int = 16  # largest file the code may write
+    disk_mb: int = 64  # bwrap: the writable directory, a tmpfs inside the container (host memory while it runs)
     max_processes: int = 16  # processes and threads of the sandbox's user
     max_output_bytes: int = 4000  # read from the code's stdout+stderr; the rest is never read
 

@@ -279,6 +279,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     need(0 < sb.wall_s <= 3600, "tools.sandbox.wall_s", sb.wall_s, "must be in (0, 3600] seconds")
     within("tools.sandbox.memory_mb", sb.memory_mb, 64, 1 << 20)
     within("tools.sandbox.max_file_mb", sb.max_file_mb, 0, 1 << 20)
+    within("tools.sandbox.disk_mb", sb.disk_mb, 1, 1 << 20)
     within("tools.sandbox.max_processes", sb.max_processes, 1, 4096)
     within("tools.sandbox.max_output_bytes", sb.max_output_bytes, 1, 1 << 24)
 
