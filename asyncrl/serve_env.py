@@ -8,7 +8,8 @@ The config file is a recipe-style YAML over the defaults (the `agents` list, `mo
 the tokenizer, `rollout` for sampling); the server binds to 127.0.0.1 unless told otherwise.
 Requests may send the agents' inference to loopback only, and to the hosts given with
 --allow-inference-host (a name, an address or a network; repeatable). The other limits
-(request size and time, rollouts and generations at once) are `ServerLimits`, with options.
+(request size and time, connections, rollouts and generations at once) are `ServerLimits`,
+with options.
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ def main(argv: list[str] | None = None) -> None:
                              "loopback; repeatable")
     parser.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
     parser.add_argument("--read-timeout-s", type=float, default=defaults.read_timeout_s,
-                        help="time a client has for a request's headers, and again for its body")
+                        help="time a client has for a request's headers, and again for its body; without the "
+                             "token, for all of the request and its answer")
+    parser.add_argument("--write-timeout-s", type=float, default=defaults.write_timeout_s,
+                        help="time an answer may wait for its client to read it; then the connection is dropped")
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    parser.add_argument("--max-unauthenticated", type=int, default=defaults.max_unauthenticated,
+                        help="connections on which no request has carried the token yet; past it, the oldest "
+                             "of them is closed")
+    parser.add_argument("--max-unauthenticated-per-peer", type=int, default=defaults.max_unauthenticated_per_peer,
+                        help="the same, from one client address (an IPv6 /64)")
     parser.add_argument("--max-rollouts-in-flight", type=int, default=defaults.max_rollouts_in_flight,
                         help="rollouts under way across all requests; a request past it gets 503")
     parser.add_argument("--max-concurrent-generations", type=int, default=defaults.max_concurrent_generations,
@@ -52,11 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     if len(token) < 16:
         sys.exit(f"asyncrl serve-env: ${args.token_env} must hold a bearer token of at least 16 characters "
                  "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
-    limits = ServerLimits(max_request_bytes=args.max_request_bytes, read_timeout_s=args.read_timeout_s,
-                          max_rollouts_in_flight=args.max_rollouts_in_flight,
-                          max_concurrent_generations=args.max_concurrent_generations,
-                          inference_hosts=tuple(args.allow_inference_host))
     try:
+        limits = ServerLimits(max_request_bytes=args.max_request_bytes, read_timeout_s=args.read_timeout_s,
+                              write_timeout_s=args.write_timeout_s, max_connections=args.max_connections,
+                              max_unauthenticated=args.max_unauthenticated,
+                              max_unauthenticated_per_peer=args.max_unauthenticated_per_peer,
+                              max_rollouts_in_flight=args.max_rollouts_in_flight,
+                              max_concurrent_generations=args.max_concurrent_generations,
+                              inference_hosts=tuple(args.allow_inference_host))
         InferenceHosts(limits.inference_hosts)
         cfg = load_config_file(args.config, args.overrides)
         agents = build_agents(cfg)

@@ -9,7 +9,9 @@ Each test marked `attack` is one attack; tests/conftest.py counts them. The serv
 whatever the body (never read: no 413 or 422 without a token); then 413 / 408 / 422 for a
 body too large, too slow or not strict JSON; 403 for inference outside loopback; 422 for more
 than MAX_ROLLOUTS_PER_REQUEST rollouts after expansion; 503 past the rollouts in flight; never
-a 5xx, never a hang, /health always answering.
+a 5xx, never a hang, /health always answering: floods of connections without the token
+(idle, trickling) keep out neither /health nor a client with it, and an answer never read
+drops its connection.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import contextlib
 import json
 import os
 import random
+import resource
+import select
 import socket
 import subprocess
 import sys
@@ -47,6 +51,11 @@ READ_TIMEOUT_S = 1.0
 MAX_IN_FLIGHT = 1500  # below the cap of a request here: a test fills it with fewer rollouts
 ENV = "echo"
 HELDOUT = 500  # x (1 greedy + 8 samples) > MAX_ROLLOUTS_PER_REQUEST
+MAX_CONNECTIONS = 64  # small, so that a flood of FLOOD connections is far past them
+MAX_UNAUTHENTICATED = 32
+MAX_UNAUTHENTICATED_PER_PEER = 16  # over the 8 + 1 connections of the fuzz at once
+WRITE_TIMEOUT_S = 2.0
+FLOOD = 600
 
 
 # -- the server's side: an agent whose rollout is one generation --------------------------
@@ -94,7 +103,9 @@ def serve(port: int) -> None:
     from asyncrl.agents.server import ServerLimits, create_app, uvicorn_config
 
     limits = ServerLimits(max_request_bytes=MAX_REQUEST_BYTES, read_timeout_s=READ_TIMEOUT_S,
-                          max_rollouts_in_flight=MAX_IN_FLIGHT, inference_hosts=("gpu-node-3", "10.9.0.0/16"))
+                          max_rollouts_in_flight=MAX_IN_FLIGHT, inference_hosts=("gpu-node-3", "10.9.0.0/16"),
+                          max_connections=MAX_CONNECTIONS, max_unauthenticated=MAX_UNAUTHENTICATED,
+                          max_unauthenticated_per_peer=MAX_UNAUTHENTICATED_PER_PEER, write_timeout_s=WRITE_TIMEOUT_S)
     app = create_app(SimpleNamespace(agents={ENV: EchoAgent()}), TOKEN, limits)
     uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, limits, log_level="warning")).run()
 
@@ -435,6 +446,174 @@ def test_health_answers_while_the_server_is_full_and_past_it_requests_get_503(se
     finally:
         upstream.release()
 
+
+# -- floods without the token ---------------------------------------------------------------
+# All from one peer (127.0.0.1), as the clients that must still be served: what keeps them
+# served cannot be a per-address refusal alone.
+
+def _flood(port: int, firsts: list[bytes]) -> list[socket.socket]:
+    """FLOOD connections to the server, the i-th having sent `firsts[i % len(firsts)]`
+    (non-blocking from then on)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < FLOOD + 512:  # one descriptor a connection
+        resource.setrlimit(resource.RLIMIT_NOFILE, (FLOOD + 512 if hard == resource.RLIM_INFINITY
+                                                    else min(FLOOD + 512, hard), hard))
+    flood = []
+    for i in range(FLOOD):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with contextlib.suppress(OSError):  # the server may have dropped it already
+            s.sendall(firsts[i % len(firsts)])
+        s.setblocking(False)
+        flood.append(s)
+    return flood
+
+
+def _dropped(flood: list[socket.socket], within_s: float) -> int:
+    """How many of the flood's connections the server has closed within `within_s` (what it
+    sends is read and discarded)."""
+    open_, deadline = set(flood), time.time() + within_s
+    while open_ and time.time() < deadline:
+        for s in list(open_):
+            try:
+                if not s.recv(65536):
+                    open_.discard(s)
+            except BlockingIOError:
+                pass
+            except OSError:  # reset
+                open_.discard(s)
+        time.sleep(0.05)
+    return len(flood) - len(open_)
+
+
+def _serves(url: str) -> None:
+    """/health and a request with the token are answered (the timeouts are generous bounds)."""
+    r = httpx.get(url + "/health", timeout=5)
+    assert r.status_code == 200, r.text
+    r = httpx.get(url + "/envs/", headers=AUTH, timeout=5)
+    assert r.status_code == 200 and r.json()["envs"][0]["env_id"] == ENV, r.text
+
+
+def test_the_connection_budget_closes_the_oldest_unauthenticated_connection_of_the_biggest_peer():
+    """The policy behind the floods' tests, connection by connection (no sockets, no timers)."""
+    from asyncrl.agents.server import ServerLimits, _Budget, _Connection
+
+    class Conn(_Connection):
+        def __init__(self, budget: _Budget, peer: str) -> None:
+            self.budget, self.peer, self.dropped = budget, peer, ""
+
+        def drop(self, why: str) -> None:
+            self.dropped = why
+            self.budget.remove(self)
+
+    async def main() -> None:
+        budget = _Budget(ServerLimits(max_connections=8, max_unauthenticated=4, max_unauthenticated_per_peer=3))
+        client, other = Conn(budget, "10.0.0.1"), Conn(budget, "10.0.0.2")
+        assert budget.admit(client) and budget.admit(other)
+        budget.authenticate(client)
+        flood = [Conn(budget, "10.0.0.9") for _ in range(100)]
+        assert all(budget.admit(c) for c in flood)
+        # past max_connections, each new connection closed the flood's oldest, never another address's
+        assert [c for c in flood if not c.dropped] == flood[-6:] and not client.dropped and not other.dropped
+        assert flood[0].dropped == "the server's connections are full"
+        budget.settle()  # what SETTLE_S later does: the flood is cut to its address's share
+        assert [c for c in flood if not c.dropped] == flood[-3:]
+        assert flood[-4].dropped == "its address's unauthenticated connections are full"
+        budget.began(flood[-3])  # a request began on it: now its address's youngest
+        late = Conn(budget, "10.0.0.9")
+        assert budget.admit(late)
+        budget.settle()
+        assert flood[-2].dropped and not flood[-3].dropped and not late.dropped
+        # all authenticated: a new connection is refused, none closed
+        full = _Budget(ServerLimits(max_connections=2, max_unauthenticated=1, max_unauthenticated_per_peer=1))
+        held = [Conn(full, "10.0.0.1"), Conn(full, "10.0.0.2")]
+        for c in held:
+            assert full.admit(c)
+            full.authenticate(c)
+        assert not full.admit(Conn(full, "10.0.0.3")) and not any(c.dropped for c in held)
+
+    asyncio.run(main())
+
+
+@pytest.mark.attack
+def test_a_flood_of_idle_connections_keeps_out_neither_health_nor_a_client_with_the_token(server):
+    """600 connections that send nothing, far past max_connections: /health and a client with the
+    token (from the same address) are answered while they are open, and each is dropped."""
+    flood = _flood(_port(server), [b""])
+    try:
+        _serves(server)
+        assert _dropped(flood, READ_TIMEOUT_S + 10) == FLOOD
+        _serves(server)
+    finally:
+        for s in flood:
+            s.close()
+
+
+@pytest.mark.attack
+def test_a_flood_of_trickled_requests_keeps_out_neither_health_nor_a_client_with_the_token(server):
+    """600 requests that send a byte every 0.5 s, for longer than any deadline or keep-alive: a
+    /health with a body of 1 GB declared, or chunked, or headers that never end. /health and a
+    client with the token are answered throughout, each of the flood's connections is dropped,
+    and a /health with a body is refused at once."""
+    port = _port(server)
+    kinds = [(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n", b"x"),
+             (b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n", b"1\r\nx\r\n"),
+             (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"a")]
+    flood = _flood(port, [head for head, _ in kinds])
+    try:
+        for tick in range(14):  # 7 s: past READ_TIMEOUT_S and the 5 s keep-alive
+            for i, s in enumerate(flood):
+                with contextlib.suppress(OSError):  # dropped
+                    s.send(kinds[i % len(kinds)][1])
+            if tick % 4 == 0:
+                _serves(server)
+            time.sleep(0.5)
+        _serves(server)
+        assert _dropped(flood, READ_TIMEOUT_S + 10) == FLOOD
+    finally:
+        for s in flood:
+            s.close()
+    for head, trickle in kinds[:2]:  # not waited for
+        response, closed = _raw(port, head + trickle, wait_s=READ_TIMEOUT_S + 5)
+        assert _status(response) == 400 and b"/health takes no body" in response and closed
+
+
+@pytest.mark.attack
+def test_pipelined_requests_whose_answers_are_never_read_are_dropped(server):
+    """A client with the token sends 300 requests in one go and reads none of the answers (10 MB,
+    more than the socket buffers hold): the server drops the connection once it cannot write
+    for its write deadline, and serves on."""
+    body = json.dumps({"env_id": ENV, "split": "heldout"}).encode()  # 500 problems: ~35 KB an answer
+    request = (f"POST /problems/ HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    sent_requests = 300
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        s.connect(("127.0.0.1", _port(server)))
+        s.setblocking(False)
+        data, sent, deadline = request * sent_requests, 0, time.time() + 10
+        while sent < len(data) and time.time() < deadline:  # what the server takes before it stops reading
+            try:
+                sent += s.send(data[sent:])
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:  # dropped already
+                break
+        poller = select.poll()  # wait for the server's close without reading (reading would unblock it)
+        poller.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        poller.poll((WRITE_TIMEOUT_S + 10) * 1000)
+        answers, closed, deadline = b"", False, time.time() + 20
+        while not closed and time.time() < deadline:
+            try:
+                chunk = s.recv(1 << 20)
+                answers += chunk
+                closed = not chunk
+            except BlockingIOError:
+                time.sleep(0.01)
+            except OSError:  # reset
+                closed = True
+    assert closed and answers.count(b"HTTP/1.1 200 OK") < sent_requests, \
+        f"{answers.count(b'HTTP/1.1 200 OK')} of {sent_requests} answered, closed: {closed}"
+    _serves(server)
 
 # -- the fuzz ---------------------------------------------------------------------------
 
