@@ -57,6 +57,7 @@ from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.sync.weight_sync import EnginesFailed, WeightSync
 from asyncrl.trainer.batch import group_filter_reason
+from asyncrl.trainer.safe_checkpoint import CheckpointRefused
 from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 logger = logging.getLogger(__name__)
@@ -658,7 +659,10 @@ class Driver:
         neither the queue nor a snapshot (a remote agent's group) starts again from its prompt.
         Returns the loops resumed, the prompts restarted and the generated tokens kept."""
         state = RunState.from_json((path / "run_state.json").read_text())
-        trainer_step = self.trainer.load_checkpoint(str(path))
+        try:
+            trainer_step = self.trainer.load_checkpoint(str(path))
+        except CheckpointRefused as e:  # Ray's wrapper adds the rank's traceback: keep the one line
+            raise CheckpointRefused(str(getattr(e, "cause", e))) from None
         if trainer_step != state.step:
             raise TrainingError(f"{path}: the trainer's state is of step {trainer_step}, the run's of {state.step}")
         self.step, self.version, self.samples = state.step, state.version, state.samples

@@ -184,7 +184,7 @@ def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path
         kill_tagged(tag)
 
     ckpt = first / "checkpoints" / "step_000002"  # complete: what `run.resume_from` continues
-    for part in ("trainer_state.pt", "queue.json", "loops.json", "ledger.json", "run_state.json"):
+    for part in ("trainer_state.json", "queue.json", "loops.json", "ledger.json", "run_state.json"):
         assert (ckpt / part).is_file(), part
     # A run continuing from its newest checkpoint (`run.resume_from=latest`) after it was killed
     # whole: tests/test_bench.py's faults bench.

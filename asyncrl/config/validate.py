@@ -168,9 +168,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
         if not c.run.output_dir or latest_checkpoint(Path(c.run.output_dir)) is None:
             problems.append(f"run.resume_from=latest: no checkpoint in run.output_dir={c.run.output_dir!r} "
                             "(expected RUN_DIR/checkpoints/step_N)")
-    elif c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.pt").is_file():
+    elif c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.json").is_file():
         problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
-                        "(expected RUN_DIR/checkpoints/step_N with trainer_state.pt)")
+                        "(expected RUN_DIR/checkpoints/step_N with trainer_state.json)")
     if c.model.tokenizer_path:
         _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
 

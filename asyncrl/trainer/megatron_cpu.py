@@ -7,12 +7,17 @@ against (`CHECKED_VERSIONS`; tests/test_compat.py fails on any other, and checks
 every name in `PRIVATE_NAMES`, `SOURCE_FACTS` and `REPLACEMENTS` is still there). What
 cannot work on CPU at all (the distributed optimizer, sequence parallelism, Transformer
 Engine layers) is refused by config validation instead of being patched.
+
+One private hook here runs on every device: `dist_checkpoint_reader`, through which
+asyncrl/trainer/safe_dist_checkpoint.py gives megatron's checkpoint loader a reader that never
+runs a general unpickler (docs/security.md, "Checkpoints").
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -30,6 +35,7 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32"),
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
     ("megatron.core.pipeline_parallel.schedules", "torch"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "_get_filesystem_reader"),
 ]
 
 # Why each patch is still needed, and what it must match: (module, attribute path or ""
@@ -45,6 +51,13 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
      "self.is_stub_optimizer = True if optimizer is None else False"),
     ("megatron.core.pipeline_parallel.schedules", "", 'torch.zeros([], dtype=torch.int, device="cuda")'),
+    # Every torch DCP reader of megatron's load path comes from _get_filesystem_reader.
+    ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load",
+     "fsr = _get_filesystem_reader(checkpoint_dir, cache_metadata=True)"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load_sharded_metadata",
+     "fs_reader = _get_filesystem_reader(checkpoint_dir)"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load_tensors_metadata",
+     "fs_reader = _get_filesystem_reader(checkpoint_dir)"),
 ]
 
 _applied = False
@@ -157,6 +170,22 @@ class _TorchOnCpu:
     @staticmethod
     def zeros(*size, device=None, **kwargs):
         return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def dist_checkpoint_reader(make_reader: Callable[..., Any]) -> Iterator[None]:
+    """While in this context, megatron's torch_dist loader reads checkpoints through
+    `make_reader(checkpoint_dir, cache_metadata=False)` instead of torch's FileSystemReader."""
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch_strategy
+
+    # TorchDistLoadShardedStrategy builds its reader in this module function, and no argument
+    # of dist_checkpointing.load chooses another (mcore 0.16.1).
+    original = mcore_torch_strategy._get_filesystem_reader
+    mcore_torch_strategy._get_filesystem_reader = make_reader
+    try:
+        yield
+    finally:
+        mcore_torch_strategy._get_filesystem_reader = original
 
 
 def apply_cpu_patches() -> None:

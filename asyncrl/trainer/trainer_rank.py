@@ -19,7 +19,8 @@ Then the statistics of all ranks are reduced into one metrics dict.
 Weights leave the trainer in Hugging Face names (mbridge): broadcast to the engines
 (`broadcast_weights`, rank 0 sends), or written as an HF checkpoint (`export_hf`).
 Megatron distributed checkpoints (`save_checkpoint`/`load_checkpoint`) hold model,
-optimizer and scheduler state and load at another tensor-parallel size.
+optimizer and scheduler state and load at another tensor-parallel size; loading one runs no
+general unpickler (safe_checkpoint.py, safe_dist_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from asyncrl.trainer.batch import (
     shard_for_data_parallel,
 )
 from asyncrl.trainer.policy_lag import PolicyLag
+from asyncrl.trainer.safe_checkpoint import read_trainer_state, write_trainer_state
 
 logger = logging.getLogger(__name__)
 
@@ -416,26 +418,28 @@ class TrainerRank:
         torch.distributed.barrier()
         dist_checkpointing.save(self._sharded_state(), str(path))
         if self.rank == 0:
-            torch.save({"step": self.step, "scheduler": self.scheduler.state_dict()}, path / "trainer_state.pt")
+            write_trainer_state(path, self.step, self.scheduler.state_dict())
         torch.distributed.barrier()
         return str(path)
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> int:
-        """Model (and optimizer, scheduler) state from `save_checkpoint`; returns the trainer's step."""
-        from megatron.core import dist_checkpointing
+        """Model (and optimizer, scheduler) state from `save_checkpoint`; returns the trainer's step.
+        Raises `CheckpointRefused` for a checkpoint file that holds anything but data: nothing of
+        it runs (the weights may be half loaded then: a refused checkpoint ends the run)."""
+        from asyncrl.trainer.safe_dist_checkpoint import load_dist_checkpoint
 
+        step, scheduler_state = read_trainer_state(ckpt_dir)
         state = self._sharded_state()
         if not load_optimizer:
             state.pop("optimizer")
-        loaded = dist_checkpointing.load(state, ckpt_dir)
+        loaded = load_dist_checkpoint(state, ckpt_dir)
         self.model[0].module.load_state_dict(loaded["model"])
         if load_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
-        meta = torch.load(Path(ckpt_dir) / "trainer_state.pt", weights_only=False)
-        self.step = meta["step"]
+        self.step = step
         self._lag.clear()  # the restored weights are the oldest a lagged sync can send now
         if load_optimizer:
-            self.scheduler.load_state_dict(meta["scheduler"])
+            self.scheduler.load_state_dict(scheduler_state)
         return self.step
 
     def shutdown(self) -> None:
