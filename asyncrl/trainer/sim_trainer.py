@@ -88,7 +88,7 @@ class SimTrainerRank:
     def weight_plan(self) -> list:
         return []
 
-    def init_weight_group(self, host: str, port: int, world_size: int) -> None:
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         pass
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:

@@ -82,8 +82,8 @@ class TrainerGroup:
         """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""
         return self._call("weight_plan")
 
-    def init_weight_group_async(self, host: str, port: int, world_size: int) -> list[ray.ObjectRef]:
-        return [r.init_weight_group.remote(host, port, world_size) for r in self.ranks]
+    def init_weight_group_async(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
+        return [r.init_weight_group.remote(host, port, world_size, backend) for r in self.ranks]
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         return self._call("stage_weights", version, newest)

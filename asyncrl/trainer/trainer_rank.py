@@ -351,10 +351,10 @@ class TrainerRank:
     def weight_plan(self) -> list:
         return self.plan.to_wire()
 
-    def init_weight_group(self, host: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the broadcast group as its source; other ranks have nothing to join."""
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins the broadcast group (`backend`: asyncrl.sync.collective.BACKENDS) as its
+        source; other ranks have nothing to join."""
         if self.rank == 0:
-            backend = "gloo" if self.on_cpu else "nccl"
             self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
