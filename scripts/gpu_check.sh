@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU path, checked in one run on a GPU machine (docs/gpu.md): a megatron-core train step in
+# bf16 on CUDA against fp32 on CPU, the trainer's HF export from the GPU, and the weight broadcast
+# through cupy's NCCL (scripts/gpu_check.py says what each part checks). Prints one JSON line;
+# exits non-zero if any part failed or could not run. At most 8 minutes.
+#
+#   bash scripts/gpu_check.sh --fetch   # where pip reaches PyPI: the wheels a bare GPU machine lacks, into .whl/
+#   bash scripts/gpu_check.sh           # on the GPU machine (PyTorch with CUDA, cupy, transformers there):
+#                                       # installs .whl/*.whl into a private dir, then runs the check
+# The GPU machine's Python is 3.12 (GPU_PYTHON_VERSION to change it); vLLM and Ray are not needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(megatron-core==0.16.1 mbridge==0.15.1 hydra-core==1.3.8 omegaconf==2.3.1)
+PYTHON=${PYTHON:-python3}
+
+if [ "${1:-}" = --fetch ]; then
+  mkdir -p .whl
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+  # hydra's parser runtime is published as source only: build its (pure Python) wheel here
+  "$PYTHON" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
+  ls .whl
+  exit 0
+fi
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=${TMPDIR:-/tmp}/asyncrl-gpu-site
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+exec timeout 480 "$PYTHON" scripts/gpu_check.py
