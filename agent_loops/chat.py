@@ -163,12 +163,14 @@ class ChatFormat:
     def _text_markers(self) -> tuple[str, ...]:
         """The template's markers that this tokenizer reads as plain text (not one special token)."""
         found: set[str] = set()
-        for tools in (None, [_PROBE_SCHEMA]):
-            try:
-                text, _ = self._render_text(list(_PROBE_CONVERSATION), tools, add_generation_prompt=True)
-            except Exception:  # noqa: BLE001  (a template may refuse this probe; the others still count)
-                continue
-            found.update(_MARKER_RE.findall(_PLACEHOLDER_RE.sub("", text)))
+        # Templates refuse some shapes (no system role, no tool calls): each probe that renders counts.
+        for conversation in (_PROBE_CONVERSATION, _PROBE_CONVERSATION[1:], _REFERENCE):
+            for tools in (None, [_PROBE_SCHEMA]):
+                try:
+                    text, _ = self._render_text(list(conversation), tools, add_generation_prompt=True)
+                except Exception:  # noqa: BLE001  (jinja's and the template's own errors alike)
+                    continue
+                found.update(_MARKER_RE.findall(_PLACEHOLDER_RE.sub("", text)))
         special = set(self.tokenizer.all_special_ids)
 
         def is_special(marker: str) -> bool:
