@@ -52,7 +52,7 @@ from asyncrl.messages import (
     WorkerStats,
     error_line,
 )
-from asyncrl.metrics import length_histogram
+from asyncrl.metrics import length_histogram, reward_metrics
 from asyncrl.monitoring.run_log import RunLog
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.sync.weight_sync import EnginesFailed, WeightSync
@@ -228,6 +228,7 @@ class Driver:
         # What a staleness rule or a filter leaves out shows as a difference between the two.
         metrics["length/finished_hist"] = length_histogram([*groups, *stale])
         metrics["length/trained_hist"] = length_histogram(trained)
+        metrics.update(reward_metrics(groups))  # a verl reward function's extra keys, over the step's samples
         step_samples = sum(len(g.trajectories) for g in groups)
         if len(self.agents.weights) > 1:  # the multi-task mix as trained
             metrics.update({f"batch/groups/{env}": n for env, n in

@@ -27,3 +27,15 @@ def length_histogram(groups: list[TrajectoryGroup]) -> dict[int, int]:
     return dict(sorted(Counter(LENGTH_BIN_TOKENS * (t.num_response_tokens // LENGTH_BIN_TOKENS)
                                for g in groups for t in g.trajectories
                                if t.status is not TrajectoryStatus.FAILED).items()))
+
+
+def reward_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """`batch/reward_metrics/<key>`: the mean of each per-sample reward metric (a verl reward
+    function's extra keys, info["reward_metrics"]) over the trajectories that report it."""
+    sums: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for t in (t for g in groups for t in g.trajectories):
+        for key, value in t.info.get("reward_metrics", {}).items():
+            sums[key] += value
+            counts[key] += 1
+    return {f"batch/reward_metrics/{key}": sums[key] / counts[key] for key in sorted(counts)}

@@ -40,6 +40,10 @@ class Problem:
     env_id: str = ""  # the agent (environment) the problem belongs to: its reward, its loop
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
+    # A verl-layout row's `data_source` and `extra_info`, for a verl-signature reward function
+    # (asyncrl/reward_function.py); empty otherwise.
+    data_source: str = ""
+    extra_info: dict[str, Any] = field(default_factory=dict)
 
 
 class TaskSource:

@@ -33,9 +33,22 @@ KEEP_MODE = ["algorithm.max_staleness=2", "algorithm.pause_mode=keep", "algorith
 # resumed from its checkpoint, in the faults test.
 MODES = {
     # arith_tool: the chat_tool loop (a conversation through the model's chat template, Hermes calls to
-    # the calculator, the tool turns masked, tool-call counts in the metrics) in training and evaluation
+    # the calculator, the tool turns masked, tool-call counts in the metrics) in training and evaluation,
+    # on the arith problems as verl's users keep data (verl_data: parquet rows in verl's layout, scored by
+    # a compute_score from a file)
     "tool_loop": ["algorithm.max_staleness=1"],
 }
+
+
+def verl_data(directory: Path) -> list[str]:
+    """The overrides that make a dataset agent read the arith problems from verl-layout parquet files
+    (64 train rows, 16 held out) and score them with tests/test_verl_data.py's compute_score_dict."""
+    from asyncrl.run_config import load_config
+    from tests.test_verl_data import arith_verl_files, write_score_file
+
+    train, heldout = arith_verl_files(load_config(["recipe=arith"]), directory, train=64, heldout=16)
+    return ["data.source=file", "data.format=verl", f"data.path={train}", f"data.heldout_path={heldout}",
+            "data.heldout_size=16", f"data.reward_function={write_score_file(directory)}::compute_score_dict"]
 
 
 def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, plots: bool = True,
@@ -75,7 +88,7 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
 @pytest.mark.parametrize("mode", list(MODES))
 def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
     run_dir = tmp_path / "run"
-    recipe = ["recipe=arith_tool"] if mode == "tool_loop" else ["recipe=arith"]
+    recipe = ["recipe=arith_tool", *verl_data(tmp_path)] if mode == "tool_loop" else ["recipe=arith"]
     out = run_cli("train", *recipe, *TINY_SETTINGS, *MODES[mode], f"run.output_dir={run_dir}", cwd=tmp_path,
                   timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
@@ -85,3 +98,9 @@ def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
         steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
         assert steps[-1]["rollout/tool_calls"] > 0
         assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
+        # the verl rows trained: every sample was scored by compute_score_dict, which saw the row's
+        # data_source and extra_info (verl_row), and its "score" is the reward trained on (acc = score)
+        assert not steps[-1]["rollout/failures"].get("reward_error")
+        assert all(r["batch/reward_metrics/verl_row"] == 1.0 for r in steps)
+        assert all(r["batch/reward_mean"] == pytest.approx(r["batch/reward_metrics/acc"]) for r in steps)
+        assert any(r["batch/reward_mean"] > 0 for r in steps)

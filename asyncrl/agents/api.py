@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
@@ -253,6 +254,11 @@ class Agent(ABC):
     def reward(self, problem: Problem, response: str) -> float:
         """The response's reward (1.0 = correct). May raise: callers count it as a failure."""
 
+    def reward_and_metrics(self, problem: Problem, response: str) -> tuple[float, dict[str, float]]:
+        """The reward and per-sample metrics of the response (a verl reward function's extra keys);
+        none by default. May raise, like `reward`."""
+        return self.reward(problem, response), {}
+
     def observe(self, problem: Problem, response: str, turn: int) -> str | None:
         """Multi-turn: the environment's reply after the model's `turn`-th turn (response so far),
         or None to end the episode. Single-turn agents never reply."""
@@ -278,14 +284,22 @@ class Agent(ABC):
                         chat_prompt=bool(problem.messages), clock=Clock(self.cfg.cluster.time_scale))
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
-        """Set the trajectory's reward from its decoded response; a reward function that raises or
-        exceeds rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
+        """Set the trajectory's reward (and info["reward_metrics"], when the reward gives some) from
+        its decoded response; a reward function that raises, returns no finite number or exceeds
+        rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
         response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
         traj.info["response"] = response
         timeout = self.cfg.rollout.reward_timeout_s
         failure = None
         try:
-            traj.reward = float(await asyncio.wait_for(asyncio.to_thread(self.reward, problem, response), timeout))
+            reward, metrics = await asyncio.wait_for(asyncio.to_thread(self.reward_and_metrics, problem, response),
+                                                     timeout)
+            reward = float(reward)
+            if not math.isfinite(reward):  # a NaN would poison the group's advantages
+                raise ValueError(f"the reward is {reward!r}, not a finite number")
+            traj.reward = reward
+            if metrics:
+                traj.info["reward_metrics"] = metrics
         except asyncio.TimeoutError:
             failure = Failure("reward_timeout", f"> {timeout:g}s")
         except Exception as e:  # a buggy reward function must not stop the run

@@ -13,10 +13,17 @@ here; .parquet, .arrow and `save_to_disk` directories are read with Hugging Face
 nothing is downloaded. A row without a question or an answer is skipped and counted (logged
 once per file). A malformed row (not JSON, not an object, a question or answer of the wrong
 type) fails the load with an error naming the env, the file and the line (or row).
+
+`format: verl` reads verl's RL layout instead (docs/agents.md): `prompt` (chat messages) is the
+conversation, `reward_model.ground_truth` the answer, `data_source` and `extra_info` go with the
+problem to `reward_function` (verl's compute_score signature, asyncrl/reward_function.py). The
+same two rules hold: no prompt or no ground truth -> skipped and counted; a field of the wrong
+type -> the load fails naming the row.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -25,12 +32,13 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_loops.tools.schemas import tool_schemas
 from asyncrl.agents.api import Agent
 from asyncrl.config.schema import AgentConfig, Config, DataConfig
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.reward_function import call_reward_function, load_reward_function
 from asyncrl.tasks import Problem, TaskSource
 
 logger = logging.getLogger(__name__)
@@ -55,9 +63,21 @@ class DatasetAgent(Agent):
         except KeyError as e:
             raise ValueError(f"env {self.env_id!r}: {e.args[0]}") from None
         self.skipped_rows = 0
+        try:  # validation loaded it already (cached); a worker loads it here
+            self.reward_function = load_reward_function(params.reward_function) if params.reward_function else None
+        except ValueError as e:
+            raise ValueError(f"env {self.env_id!r}: reward_function={params.reward_function!r}: {e}") from None
 
     def reward(self, problem: Problem, response: str) -> float:
-        return self.hooks.reward(problem, response)
+        return self.reward_and_metrics(problem, response)[0]
+
+    def reward_and_metrics(self, problem: Problem, response: str) -> tuple[float, dict[str, float]]:
+        if self.reward_function is None:
+            return self.hooks.reward(problem, response), {}
+        # verl's arguments: a verl row's own ground truth (any JSON value), else the answer text
+        truth = problem.entry["reward_model"]["ground_truth"] if self.params.format == "verl" else problem.answer
+        return call_reward_function(self.reward_function, problem.data_source or self.env_id, response, truth,
+                                    copy.deepcopy(problem.extra_info))  # a call may not change the next one's
 
     def load_splits(self) -> dict[str, list[Problem]]:
         p = self.params
@@ -93,44 +113,65 @@ class DatasetAgent(Agent):
             rows, heldout_rows = rows[: -p.heldout_size], rows[-p.heldout_size:]
         heldout = [self._problem("heldout", i, r) for i, r in enumerate(heldout_rows)]
         seen = {q.question for q in heldout}
-        train = [self._problem("train", i, r) for i, r in enumerate(rows[: p.train_size]) if r[0] not in seen]
+        train = [self._problem("train", i, r) for i, r in enumerate(rows[: p.train_size]) if r.question not in seen]
         return {"train": train, "heldout": heldout}
 
-    def _problem(self, split: str, index: int, row: tuple[str, str, dict[str, Any]]) -> Problem:
-        question, answer, entry = row
-        problem = Problem(prompt_id=f"{self.env_id}/{split}/{index}", task="", question=question,
-                          prompt=self.params.prompt_template.format(question=question), answer=answer,
-                          entry=entry, agent_loop=str(entry.get("agent_loop") or ""), env_id=self.env_id)
-        return self._as_chat(problem, entry.get("messages"))
+    def _problem(self, split: str, index: int, row: Row) -> Problem:
+        entry = row.entry
+        verl = self.params.format == "verl"
+        problem = Problem(prompt_id=f"{self.env_id}/{split}/{index}", task="", question=row.question,
+                          prompt=row.question if verl else self.params.prompt_template.format(question=row.question),
+                          answer=row.answer, entry=entry, agent_loop=str(entry.get("agent_loop") or ""),
+                          env_id=self.env_id, data_source=str(entry.get("data_source") or "") if verl else "",
+                          extra_info=dict(entry.get("extra_info") or {}) if verl else {})
+        return self._as_chat(problem, row.messages)
 
-    def _read(self, path: str) -> list[tuple[str, str, dict[str, Any]]]:
-        """(question, reference answer, row) for every usable row of a local file."""
+    def _read(self, path: str) -> list[Row]:
+        """Every usable row of a local file."""
         p = self.params
-        pattern = re.compile(p.answer_regex, re.S | re.M) if p.answer_regex else None
-        rows: list[tuple[str, str, dict[str, Any]]] = []
+        verl = p.format == "verl"
+        pattern = re.compile(p.answer_regex, re.S | re.M) if p.answer_regex and not verl else None
+        rows: list[Row] = []
         skipped = total = 0
+        first: Any = None
         try:
             for where, row in _rows(Path(path)):
                 total += 1
-                usable = _usable(row, where, p.question_field, p.answer_field, pattern)
+                first = row if total == 1 else first
+                usable = (_usable_verl(row, where, self.reward_function is not None) if verl
+                          else _usable(row, where, p.question_field, p.answer_field, pattern))
                 if usable is None:
                     skipped += 1
+                elif verl:
+                    rows.append(usable)
                 else:
                     _check_messages(row.get("messages"), where)
-                    rows.append((*usable, dict(row)))
+                    rows.append(Row(*usable, dict(row), row.get("messages")))
         except MalformedRow as e:
             raise ValueError(f"env {self.env_id!r}: {path}, {e.where}: {e}") from None
         except UnsupportedFile as e:
             raise ValueError(f"env {self.env_id!r}: {path}: {e}") from None
+        fields = ("prompt", "reward_model.ground_truth") if verl else (p.question_field, p.answer_field)
         if skipped:
             logger.warning("env %s: skipped %d of %d rows of %s without a usable %r or %r%s", self.env_id, skipped,
-                           total, path, p.question_field, p.answer_field,
-                           f" (matching answer_regex {p.answer_regex!r})" if pattern else "")
+                           total, path, *fields, f" (matching answer_regex {p.answer_regex!r})" if pattern else "")
         self.skipped_rows += skipped
         if not rows:
-            raise ValueError(f"env {self.env_id!r}: {path} has no usable rows (fields {p.question_field!r}, "
-                             f"{p.answer_field!r})")
+            looks_verl = not verl and isinstance(first, dict) and {"prompt", "reward_model"} <= first.keys()
+            raise ValueError(f"env {self.env_id!r}: {path} has no usable rows (fields {fields[0]!r}, {fields[1]!r})"
+                             + ("; its rows have verl's columns (prompt, reward_model): set format: verl"
+                                if looks_verl else ""))
         return rows
+
+
+class Row(NamedTuple):
+    """A usable row: the question (a verl row: its last user message), the reference answer as
+    text, the row itself and its conversation (None: a plain prompt)."""
+
+    question: str
+    answer: str
+    entry: dict[str, Any]
+    messages: list[dict[str, Any]] | None
 
 
 class MalformedRow(ValueError):
@@ -166,22 +207,64 @@ def _usable(row: Any, where: str, question_field: str, answer_field: str,
     return question, str(answer).strip()
 
 
+def _usable_verl(row: Any, where: str, any_truth: bool) -> Row | None:
+    """A row in verl's layout; None when its prompt or ground truth is missing or empty (skipped and
+    counted); MalformedRow when a field has the wrong type. `any_truth`: a reward function takes the
+    ground truth as it is, so it may be any JSON value; else it must be a string or a number."""
+    if not isinstance(row, dict):
+        raise MalformedRow(where, f"a row must be a JSON object, not {_json_type(row)}")
+    prompt, reward_model = row.get("prompt"), row.get("reward_model")
+    if prompt is not None:
+        if not isinstance(prompt, list):
+            raise MalformedRow(where, f"field 'prompt' must be an array of chat messages (verl's layout), "
+                                      f"not {_json_type(prompt)}")
+        # parquet and arrow give every message every key of the column's struct: drop the nulls
+        prompt = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in prompt]
+        _check_messages(prompt, where, "prompt")
+    if reward_model is not None and not isinstance(reward_model, dict):
+        raise MalformedRow(where, f"field 'reward_model' must be an object such as "
+                                  f'{{"style": "rule", "ground_truth": ...}}, not {_json_type(reward_model)}')
+    truth = (reward_model or {}).get("ground_truth")
+    if isinstance(truth, float) and not math.isfinite(truth):
+        raise MalformedRow(where, f"field 'reward_model.ground_truth' must be finite, not {_json_type(truth)}")
+    if truth is not None and not any_truth and not isinstance(truth, str | int | float):
+        raise MalformedRow(where, f"field 'reward_model.ground_truth' must be a string or a number, not "
+                                  f"{_json_type(truth)} (a reward_function gets it as it is)")
+    for name, kind, wanted in (("data_source", str, "a string"), ("extra_info", dict, "an object")):
+        if row.get(name) is not None and not isinstance(row[name], kind):
+            raise MalformedRow(where, f"field {name!r} must be {wanted}, not {_json_type(row[name])}")
+    if prompt is None or truth is None or isinstance(truth, str) and not truth.strip():
+        return None
+    users = [m["content"] for m in prompt if m["role"] == "user" and isinstance(m.get("content"), str)]
+    question = users[-1] if users else str(prompt[-1].get("content") or "")
+    if not question.strip():
+        return None
+    if isinstance(truth, str):
+        answer = truth.strip()
+    elif isinstance(truth, int | float):
+        answer = str(truth)
+    else:  # a structured ground truth (only with a reward function, which gets it as it is): text for logs
+        answer = json.dumps(truth, default=repr)
+    return Row(question, answer, dict(row), prompt)
+
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def _check_messages(messages: Any, where: str) -> None:
-    """A row's `messages`, when it has them: OpenAI chat messages, each a role and text content."""
+def _check_messages(messages: Any, where: str, name: str = "messages") -> None:
+    """A row's `messages` (or a verl row's `prompt`), when it has them: OpenAI chat messages, each a
+    role and text content."""
     if messages is None:
         return
     if not isinstance(messages, list):
-        raise MalformedRow(where, f"field 'messages' must be an array of messages, not {_json_type(messages)}")
+        raise MalformedRow(where, f"field {name!r} must be an array of messages, not {_json_type(messages)}")
     if not messages:
-        raise MalformedRow(where, "field 'messages' is empty")
+        raise MalformedRow(where, f"field {name!r} is empty")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise MalformedRow(where, f"messages[{i}] must be an object with a role of {', '.join(ROLES)}")
+            raise MalformedRow(where, f"{name}[{i}] must be an object with a role of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str) and not (m["role"] == "assistant" and m.get("tool_calls")):
-            raise MalformedRow(where, f"messages[{i}].content must be a string")
+            raise MalformedRow(where, f"{name}[{i}].content must be a string")
 
 
 def _json_type(value: Any) -> str:

@@ -19,6 +19,7 @@ ENGINE_BACKENDS = ("vllm", "sim")  # sim: asyncrl/engine/sim_engine.py
 TRAINER_BACKENDS = ("megatron", "sim")  # sim: asyncrl/trainer/sim_trainer.py
 DEVICES = ("cpu", "cuda")
 DATA_SOURCES = ("reasoning_gym", "file")
+DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
 PAUSE_MODES = ("abort", "keep")
 AGGREGATIONS = ("token", "sequence")
@@ -84,6 +85,11 @@ class DataConfig:
     # source=file: a local .jsonl / .json / .parquet / .arrow file (or a `datasets.save_to_disk`
     # directory), read with Hugging Face `datasets`; nothing is downloaded.
     path: str = ""
+    # The rows' layout. qa: a question and an answer field (question_field, answer_field, and
+    # optionally `messages`). verl: verl's RL parquet layout: `prompt` (chat messages, the
+    # conversation), `reward_model.ground_truth` (the answer), `data_source`, `extra_info`
+    # (question_field, answer_field, answer_regex and prompt_template are not used).
+    format: str = "qa"
     # A separate held-out file; empty: the last `heldout_size` rows of `path` (after a seeded
     # shuffle) are held out.
     heldout_path: str = ""
@@ -107,6 +113,12 @@ class DataConfig:
     # A file row with a `messages` field (OpenAI chat messages) is that conversation instead.
     system_prompt: str = ""
     tools: list[str] = field(default_factory=list)
+    # A reward function with verl's signature, compute_score(data_source, solution_str,
+    # ground_truth, extra_info=None) -> float | {"score": float, ...}, in a Python file:
+    # "path/to/score.py::compute_score" (the name defaults to compute_score; a relative path is
+    # relative to the directory the command runs in). It replaces the recipe's reward for this
+    # dataset. Empty: the recipe module's reward.
+    reward_function: str = ""
 
 
 @dataclass

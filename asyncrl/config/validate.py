@@ -21,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from asyncrl.config.schema import (
     AGGREGATIONS,
+    DATA_FORMATS,
     DATA_SOURCES,
     DEVICES,
     DTYPES,
@@ -36,6 +37,7 @@ from asyncrl.config.schema import (
     Config,
 )
 from asyncrl.cpu_cores import parse_cores
+from asyncrl.reward_function import load_reward_function
 
 
 class ConfigError(ValueError):
@@ -415,7 +417,16 @@ def _check_data(key: str, d: Any, problems: list[str]) -> None:
     else:  # at most this many rows of a file
         at_least(f"{key}.train_size", d.train_size, 1)
         at_least(f"{key}.heldout_size", d.heldout_size, 1)
-    _check_prompt_template(f"{key}.prompt_template", d.prompt_template, d.source, need)
+    one_of(f"{key}.format", d.format, DATA_FORMATS)
+    need(d.format != "verl" or d.source == "file", f"{key}.format", d.format,
+         f"reads rows of a local file: needs {key}.source=file (not {d.source})")
+    if d.format != "verl":  # verl rows bring their prompt as messages
+        _check_prompt_template(f"{key}.prompt_template", d.prompt_template, d.source, need)
+    if d.reward_function:  # loaded here (executing the file) so that a bad one stops nothing already started
+        try:
+            load_reward_function(d.reward_function)
+        except ValueError as e:
+            problems.append(f"{key}.reward_function={d.reward_function!r}: {e}")
     for i, name in enumerate(d.tools):  # registered by name when the recipe's module is imported
         need(name.isidentifier(), f"{key}.tools[{i}]", name, "must be a tool's name (an identifier)")
 
