@@ -1,24 +1,40 @@
-"""Hugging Face <-> Megatron weights for Qwen2 and Llama, through mbridge.
+"""Hugging Face <-> Megatron weights for dense Qwen2, Qwen3 and Llama models, through mbridge.
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
-where it falls short here; each gap is closed in `load_bridge` (the ones that reach into
-mbridge's private API through mbridge_compat.py):
+where it falls short here; each gap is closed in `load_bridge` / `build_gpt_model` (the ones
+that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - its layer spec hard-codes Transformer Engine, which needs CUDA: without TE we build
   megatron's local layers, whose layer norms are separate modules, so their names are
-  added to its name map;
+  added to its name map (QK-norm keeps TE's names, `self_attention.q_layernorm`, and maps as is);
 - with transformers 5 `rope_theta` moved into `config.rope_parameters`;
+- rope scaling: with transformers 5 mbridge's llama bridge never sees `rope_scaling` (so
+  llama3 scaling is dropped), and where it did it mapped any "factor" to linear position
+  interpolation; megatron's own llama3 scaling fixes low/high_freq_factor and the original
+  context (1, 4, 8192). We compute HF's frequencies and give them to megatron's rotary embedding;
+- Qwen2Bridge writes the tied-embedding mapping into a dict shared by every Qwen2/Qwen3 bridge
+  of the process: each bridge gets its own output-layer mapping;
 - `Bridge.get_model` moves modules with `.cuda()`: `build_gpt_model` builds from its
   model provider instead.
+What the conversion is not known to do exactly (docs/models.md) is refused by
+`read_model_config` before anything is built, in one line.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.trainer import mbridge_compat
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
+# dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def transformer_engine_available() -> bool:
@@ -30,23 +46,73 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
+    """What in this HF config asyncrl's trainer does not convert exactly (empty: nothing)."""
+    problems = []
+    rope = getattr(hf, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
+    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+        problems.append("sliding-window attention")
+    if hf.model_type in ("qwen3", "llama") and getattr(hf, "attention_bias", False):
+        # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
+        problems.append("attention_bias=true")
+    if getattr(hf, "mlp_bias", False):
+        problems.append("mlp_bias=true")
+    if hf.vocab_size % tp_size:
+        # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
+        problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
+    return problems
+
+
+def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:
+    """The HF config at `model_path` (a directory or a Hub id), checked: a ValueError of one line
+    names what asyncrl's trainer cannot load exactly (an unsupported model type, a feature)."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    raw, _ = PreTrainedConfig.get_config_dict(model_path)  # the type first: AutoConfig may not know it
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{model_path}: model type {model_type!r} is not supported by the megatron trainer; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (dense; see docs/models.md)")
+    hf = AutoConfig.from_pretrained(model_path)
+    problems = model_config_problems(hf, tp_size)
+    if problems:
+        raise ValueError(f"{model_path}: {model_type} with {'; '.join(problems)} is not supported by the "
+                         "megatron trainer (see docs/models.md)")
+    return hf
+
+
+def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
+    """HF's rotary inverse frequencies for this config, or None for plain rope (megatron's equal them)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return None
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf)
+    if attention_factor != 1.0:  # SUPPORTED_ROPE_TYPES have none; megatron's rope would not apply it
+        raise ValueError(f"rope_type {rope_type!r}: attention scaling {attention_factor} is not supported")
+    return inv_freq.float()
+
+
 def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
     """An mbridge bridge for the HF checkpoint at `model_path`, set up for our layers.
 
     Must be called after megatron's parallel state is initialised (the bridge reads it).
     """
     from mbridge import AutoBridge
+    from megatron.core import parallel_state as mpu
 
-    bridge = AutoBridge.from_pretrained(model_path, dtype=dtype)
-    hf = bridge.hf_config
-    if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {hf.model_type!r} at {model_path}: supported are {SUPPORTED_MODEL_TYPES}")
+    hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    tp = bridge.mpu.tp_size
-    if hf.vocab_size % tp:
-        # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
-        raise ValueError(f"vocab size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp}")
+    bridge = AutoBridge.from_config(hf, dtype=dtype)
     bridge.set_extra_args(
         # Packed rows have varying lengths; sequence parallel would need them divisible by TP.
         sequence_parallel=False,
@@ -57,6 +123,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    mbridge_compat.map_output_layer(bridge)
     if not use_te:
         mbridge_compat.use_local_layer_spec(bridge)
         mbridge_compat.map_local_layer_norms(bridge)
@@ -72,5 +139,7 @@ def build_gpt_model(bridge, device: torch.device) -> list[torch.nn.Module]:
     model = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     for param in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    inv_freq = hf_rope_inv_freq(bridge.hf_config)
+    if inv_freq is not None:
+        mbridge_compat.set_rope_frequencies(model, inv_freq)
     return [model.to(device)]
-

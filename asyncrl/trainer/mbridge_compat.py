@@ -1,15 +1,18 @@
-"""Every call asyncrl makes into a private mbridge API, in one place.
+"""Every call asyncrl makes into a private mbridge API, in one place, and the one into
+megatron's rotary embedding that the HF conversion needs on every device.
 
 Checked against mbridge 0.15.1 with megatron-core 0.16.1 (`CHECKED_VERSIONS`).
 tests/test_compat.py checks that every name in `PRIVATE_NAMES` and `SOURCE_FACTS` is
 still there and that the installed versions are the ones checked: after an upgrade,
 read each function here against the new source, then update `CHECKED_VERSIONS`.
-megatron-core's own private APIs are patched in megatron_cpu.py.
+megatron-core's own private APIs for CPU training are patched in megatron_cpu.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 CHECKED_VERSIONS = {"mbridge": "0.15.1", "megatron-core": "0.16.1"}
 
@@ -21,6 +24,11 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.models.qwen2", "Qwen2Bridge._MLP_MAPPING"),
     ("mbridge.models.llama", "LLaMABridge._MLP_MAPPING"),
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_decoder_block_spec"),
+    ("mbridge.core.bridge", "Bridge._DIRECT_MAPPING"),
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_to_hf"),
+    ("mbridge.models.qwen2", "Qwen2Bridge._DIRECT_MAPPING"),
+    ("mbridge.models.llama", "LLaMABridge._DIRECT_MAPPING"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -29,6 +37,22 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("mbridge.core.bridge", "Bridge", "self._OTHER_MAPPING.items()"),
     ("mbridge.core.bridge", "Bridge", "self._MLP_MAPPING.items()"),
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_decoder_block_spec", "use_transformer_engine"),
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_to_hf",
+     "return [self._DIRECT_MAPPING[mcore_weights_name]]"),
+    # Why map_output_layer is needed: the tied mapping is written into the class's dict.
+    ("mbridge.models.qwen2", "Qwen2Bridge._adjust_mapping_for_shared_weights",
+     'self._DIRECT_MAPPING["output_layer.weight"] = "model.embed_tokens.weight"'),
+    # Why set_rope_frequencies is needed: megatron fixes llama3's other constants, mbridge's llama
+    # bridge maps a rope "factor" to linear interpolation (when it sees one at all).
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding._apply_scaling",
+     "original_max_position_embeddings=8192"),
+    ("mbridge.models.llama", "LLaMABridge._get_gptmodel_args", 'rope_scaling_args["seq_len_interpolation_factor"]'),
+    # What it relies on: the frequencies are read from these two attributes at every (uncached) forward.
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated",
+     "seq *= 1 / self.seq_len_interpolation_factor"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated",
+     "freqs = torch.outer(seq, self.inv_freq)"),
+    ("megatron.core.models.gpt.gpt_model", "GPTModel.__init__", "self.rotary_pos_emb = RotaryEmbedding("),
 ]
 
 
@@ -52,6 +76,36 @@ def map_local_layer_norms(bridge: Any) -> None:
         **type(bridge)._MLP_MAPPING,
         "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
     }
+
+
+def map_output_layer(bridge: Any) -> None:
+    """Give this bridge its own name map for the output layer: the embedding when tied, else lm_head."""
+    # Qwen2Bridge (and Qwen3Bridge) write the tied mapping into the class-level _DIRECT_MAPPING,
+    # so after one tied model every later untied one in the process would load its output layer
+    # from the embedding (mbridge 0.15.1).
+    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    bridge._DIRECT_MAPPING = {
+        **type(bridge)._DIRECT_MAPPING,
+        "output_layer.weight": "model.embed_tokens.weight" if tied else "lm_head.weight",
+    }
+
+
+def set_rope_frequencies(model: Any, inv_freq: torch.Tensor) -> None:
+    """Make a freshly built GPTModel's rope use `inv_freq` (HF's) at the positions as given.
+
+    Call before the first forward: RotaryEmbedding.forward caches its output (lru_cache).
+    """
+    rope = model.rotary_pos_emb
+    # RotaryEmbedding keeps its frequencies in plain attributes set in __init__, with no
+    # argument for llama3's low/high_freq_factor or original context (mcore 0.16.1).
+    rope.inv_freq = inv_freq.to(device=rope.inv_freq.device, dtype=torch.float32)
+    rope.seq_len_interpolation_factor = None  # `inv_freq` already holds any scaling
+
+
+def hf_names(bridge: Any, mcore_name: str) -> list[str]:
+    """The HF tensors a megatron parameter (global name, e.g. "output_layer.weight") is made of."""
+    # mbridge has no public name lookup; this is the one its load and export use (mbridge 0.15.1).
+    return bridge._weight_name_mapping_mcore_to_hf(mcore_name)
 
 
 def model_provider(bridge: Any):

