@@ -150,8 +150,12 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
         checkpoint stops them (worker interrupted, engines paused with abort)."""
         first = RolloutWorker(0, cfg, engines, sampling=greedy)
         await first.submit(few, n=2)
-        while sum(ray.get([e.num_outstanding.remote() for e in engines])) < 4:
+        deadline = time.monotonic() + 120
+        while sum(ray.get([e.num_outstanding.remote() for e in engines])) < 4:  # every request is in
+            assert time.monotonic() < deadline, "the four requests never reached the engines"
             await asyncio.sleep(0.01)
+        # Not a wait for an event but the point where the checkpoint cuts in: no engine reports
+        # tokens as they come, so the cut is timed, and `interrupted` moves it until it lands mid-way.
         await asyncio.sleep(after_s)
         await first.interrupt()
         await asyncio.gather(*[e.pause.remote("abort") for e in engines])

@@ -471,17 +471,24 @@ def _flood(port: int, firsts: list[bytes]) -> list[socket.socket]:
 def _dropped(flood: list[socket.socket], within_s: float) -> int:
     """How many of the flood's connections the server has closed within `within_s` (what it
     sends is read and discarded)."""
-    open_, deadline = set(flood), time.time() + within_s
-    while open_ and time.time() < deadline:
-        for s in list(open_):
+    open_, deadline = set(flood), time.monotonic() + within_s
+    poller = select.poll()
+    by_fd = {s.fileno(): s for s in flood}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN | select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    while open_ and time.monotonic() < deadline:
+        # wait for the next socket with something to say (data, a close, a reset), not a fixed pause
+        for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            s = by_fd[fd]
             try:
-                if not s.recv(65536):
-                    open_.discard(s)
+                if s.recv(65536):
+                    continue
             except BlockingIOError:
-                pass
+                continue
             except OSError:  # reset
-                open_.discard(s)
-        time.sleep(0.05)
+                pass
+            open_.discard(s)
+            poller.unregister(fd)
     return len(flood) - len(open_)
 
 
@@ -566,7 +573,7 @@ def test_a_flood_of_trickled_requests_keeps_out_neither_health_nor_a_client_with
                     s.send(kinds[i % len(kinds)][1])
             if tick % 4 == 0:
                 _serves(server)
-            time.sleep(0.5)
+            time.sleep(0.5)  # the attack's own pace (a byte every 0.5 s), not a wait for the server
         _serves(server)
         assert _dropped(flood, READ_TIMEOUT_S + 10) == FLOOD
     finally:
@@ -590,25 +597,25 @@ def test_pipelined_requests_whose_answers_are_never_read_are_dropped(server):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
         s.connect(("127.0.0.1", _port(server)))
         s.setblocking(False)
-        data, sent, deadline = request * sent_requests, 0, time.time() + 10
-        while sent < len(data) and time.time() < deadline:  # what the server takes before it stops reading
+        data, sent, deadline = request * sent_requests, 0, time.monotonic() + 10
+        while sent < len(data) and time.monotonic() < deadline:  # what the server takes before it stops reading
             try:
                 sent += s.send(data[sent:])
             except BlockingIOError:
-                time.sleep(0.01)
+                select.select([], [s], [], max(0.0, deadline - time.monotonic()))  # until it takes more
             except OSError:  # dropped already
                 break
         poller = select.poll()  # wait for the server's close without reading (reading would unblock it)
         poller.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
         poller.poll((WRITE_TIMEOUT_S + 10) * 1000)
-        answers, closed, deadline = b"", False, time.time() + 20
-        while not closed and time.time() < deadline:
+        answers, closed, deadline = b"", False, time.monotonic() + 20
+        while not closed and time.monotonic() < deadline:
             try:
                 chunk = s.recv(1 << 20)
                 answers += chunk
                 closed = not chunk
             except BlockingIOError:
-                time.sleep(0.01)
+                select.select([s], [], [], max(0.0, deadline - time.monotonic()))  # until there is more
             except OSError:  # reset
                 closed = True
     assert closed and answers.count(b"HTTP/1.1 200 OK") < sent_requests, \
