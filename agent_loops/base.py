@@ -117,6 +117,7 @@ class AgentLoop:
         sampling = replace(self.sampling, max_new_tokens=self.budget(snapshot), **overrides)
         request_id = f"{t.prompt_id}:{t.group_id}:{next(_request_counter)}"
         result = await self.engine.agenerate(t.prompt_token_ids + t.response_token_ids, sampling, request_id)
+        t.add_routes(result.routes)  # before the new tokens: positions past the trajectory's are theirs
         if result.token_ids:
             t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
         return result

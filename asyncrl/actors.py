@@ -168,14 +168,16 @@ def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stre
     SimEngine (engine.backend=sim) or `engine_class`."""
     stream = engines_stream(cfg.algorithm.pause_mode) if stream is None else stream
     engine_class = engine_class or (SimEngine if cfg.engine.backend == "sim" else EngineActor)
-    sim = {}
+    extra = {}
     if issubclass(engine_class, SimEngine):  # simulated time, and the broadcast's from the trainer's model
         t = cfg.trainer.sim
-        sim = {"time_scale": cfg.cluster.time_scale, "receive_s": t.weight_bytes / t.broadcast_bytes_per_s,
-               "max_new_tokens": cfg.rollout.max_new_tokens}
+        extra = {"time_scale": cfg.cluster.time_scale, "receive_s": t.weight_bytes / t.broadcast_bytes_per_s,
+                 "max_new_tokens": cfg.rollout.max_new_tokens}
+    elif cfg.algorithm.routing_replay == "r3":
+        extra = {"return_routes": True}
     return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
             .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream,
-                    **sim))
+                    **extra))
 
 
 def start_engines(engines: list) -> list[EngineStartInfo]:

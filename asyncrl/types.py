@@ -1,8 +1,9 @@
 """Plain data that crosses actors: trajectories, groups and agent-loop snapshots.
 
-Everything here is a dataclass of builtins (ints, floats, strings, lists, dicts), so
-it pickles through the Ray object store and round-trips through `to_dict`/`from_dict`
-(JSON) for checkpoints and the env server. Nothing here knows vLLM, Megatron or Ray.
+Everything here is a dataclass of builtins (ints, floats, strings, lists, dicts, and the
+bytes of `RoutedExperts`, base64 in JSON), so it pickles through the Ray object store and
+round-trips through `to_dict`/`from_dict` (JSON) for checkpoints and the env server.
+Nothing here knows vLLM, Megatron or Ray.
 
 Token in, token out: a trajectory stores the token ids the engine produced; the
 trainer consumes exactly those ids and never re-tokenizes text.
@@ -10,10 +11,13 @@ trainer consumes exactly those ids and never re-tokenizes text.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -29,6 +33,56 @@ class SamplingSpec:
 
 
 @dataclass
+class RoutedExperts:
+    """The experts each MoE layer's router chose for each position of a token sequence, as the
+    engine that forwarded it chose them (rollout routing replay, R3; docs/moe.md).
+
+    `data` holds uint8 expert ids [positions, layers, top_k], C order: position p is the p-th
+    token of the sequence as input to the model (its routes shape the logits that predict
+    token p + 1). Bytes, not lists: 2 layers x top-2 is 4 bytes a token.
+    """
+
+    data: bytes
+    layers: int
+    top_k: int
+
+    @property
+    def positions(self) -> int:
+        return len(self.data) // (self.layers * self.top_k)
+
+    def array(self) -> np.ndarray:
+        """[positions, layers, top_k] uint8 (read-only, over `data`)."""
+        return np.frombuffer(self.data, dtype=np.uint8).reshape(-1, self.layers, self.top_k)
+
+    @classmethod
+    def from_array(cls, ids: np.ndarray) -> RoutedExperts:
+        if ids.ndim != 3:
+            raise ValueError(f"RoutedExperts: expected [positions, layers, top_k], got shape {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() > 255):
+            raise ValueError("RoutedExperts: expert ids must be in [0, 255] (uint8)")
+        return cls(np.ascontiguousarray(ids, dtype=np.uint8).tobytes(), int(ids.shape[1]), int(ids.shape[2]))
+
+    def extended(self, other: RoutedExperts | None) -> RoutedExperts:
+        """These routes, then `other`'s for the positions past ours: a position keeps the routes
+        of the first forward that computed it (whose policy produced the tokens that followed)."""
+        if other is None or other.positions <= self.positions:
+            return self
+        if (other.layers, other.top_k) != (self.layers, self.top_k):
+            raise ValueError(f"RoutedExperts: [{other.layers} layers, top-{other.top_k}] cannot extend "
+                             f"[{self.layers} layers, top-{self.top_k}]")
+        row = self.layers * self.top_k
+        return RoutedExperts(self.data + other.data[self.positions * row:], self.layers, self.top_k)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"data": base64.b64encode(self.data).decode(), "layers": self.layers, "top_k": self.top_k}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RoutedExperts:
+        data = d["data"]
+        return cls(base64.b64decode(data) if isinstance(data, str) else bytes(data), int(d["layers"]), int(d["top_k"]))
+
+
+@dataclass
 class GenerationResult:
     """What an engine returns for one request: the sampled tokens, each with its logprob
     and the policy version of the weights that produced it.
@@ -41,6 +95,9 @@ class GenerationResult:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    # With routing replay: the routes of every position this request forwarded (the prompt's,
+    # then each generated token's but the last, which no forward took as input).
+    routes: RoutedExperts | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -110,6 +167,9 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     # Free-form extras a recipe wants to keep (e.g. the ground-truth answer, the parsed answer).
     info: dict[str, Any] = field(default_factory=dict)
+    # With routing replay: the engine's routes for positions 0.. of prompt + response, each kept
+    # from the first forward that computed it (`RoutedExperts.extended`).
+    routes: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         self.status = TrajectoryStatus(self.status)
@@ -142,15 +202,23 @@ class Trajectory:
         trained = [v for s in self.segments for v, m in zip(s.versions, s.loss_mask) if m]
         return min(trained) if trained else None
 
+    def add_routes(self, routes: RoutedExperts | None) -> None:
+        """Keep the routes of a generation over this trajectory's tokens (see `routes`)."""
+        if routes is not None:
+            self.routes = routes if self.routes is None else self.routes.extended(routes)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
+        d["routes"] = self.routes.to_dict() if self.routes is not None else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["segments"] = [Segment(**s) for s in d.get("segments", [])]
+        if d.get("routes") is not None:
+            d["routes"] = RoutedExperts.from_dict(d["routes"])
         return cls(**d)
 
 

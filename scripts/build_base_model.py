@@ -38,7 +38,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config import compose  # noqa: E402
@@ -62,26 +70,34 @@ def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, model_max_length=512)
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, hidden: int = 128, layers: int = 4
-                ) -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, hidden: int = 128, layers: int = 4,
+                experts: int = 0) -> PreTrainedModel:
+    """A dense Qwen2 (tied embeddings, like Qwen2.5-0.5B), or with `experts` a Qwen3-MoE (every
+    layer sparse, top-2 with renormalised probabilities, QK-norm, untied, like Qwen3-30B-A3B)
+    whose two active experts together are as wide as the dense MLP."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    common = dict(
         vocab_size=512,  # > the 257 tokens; a multiple of 128 so megatron needs no vocab padding up to TP=4
         hidden_size=hidden,
-        intermediate_size=4 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=hidden // 32,
         head_dim=32,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,  # like Qwen2.5-0.5B, so the tied-embedding paths are exercised
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
     )
-    return Qwen2ForCausalLM(config)
+    if not experts:
+        return Qwen2ForCausalLM(Qwen2Config(**common, intermediate_size=4 * hidden, tie_word_embeddings=True))
+    # The router's load-balancing loss during warm-up (router_aux_loss_coef) keeps every expert
+    # in use; RL then trains without it, as verl and slime do.
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **common, tie_word_embeddings=False, num_experts=experts, num_experts_per_tok=2,
+        moe_intermediate_size=2 * hidden, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.01))
 
 
 def make_batch(tokenizer: PreTrainedTokenizerFast, problems: list[Problem],
@@ -154,6 +170,7 @@ def main() -> None:
                         help="keep the last step's checkpoint (the schedule run to its end) instead of selecting one")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 32)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=0, help="0: dense Qwen2; N: Qwen3-MoE with N experts, top-2")
     parser.add_argument("--init-from", default=None,
                         help="continue from this built model (tokenizer and weights) instead of a new one")
     parser.add_argument("--direct-fraction", type=float, default=0.0,
@@ -188,11 +205,12 @@ def main() -> None:
     # 2. model
     if args.init_from:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
-        model = Qwen2ForCausalLM.from_pretrained(args.init_from, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         args.hidden, args.layers = model.config.hidden_size, model.config.num_hidden_layers
+        args.experts = getattr(model.config, "num_experts", 0)
     else:
         tokenizer = build_tokenizer([p.prompt + hooks.sft_target(p) + hooks.direct_answer(p) for p in train[:2000]])
-        model = build_model(tokenizer, args.seed, args.hidden, args.layers)
+        model = build_model(tokenizer, args.seed, args.hidden, args.layers, args.experts)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {len(train)} train problems", flush=True)
 
@@ -206,7 +224,10 @@ def main() -> None:
     t0 = time.time()
     model.train()
     for step in range(1, args.max_steps + 1):
-        loss = model(**make_batch(tokenizer, rng.sample(train, args.batch_size), target)).loss
+        batch = make_batch(tokenizer, rng.sample(train, args.batch_size), target)
+        if args.experts:  # adds the router's load-balancing loss (not in generate: HF's breaks with a cache)
+            batch["output_router_logits"] = True
+        loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -240,7 +261,8 @@ def main() -> None:
     info = {
         "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step,
         "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr,
-        "hidden": args.hidden, "layers": args.layers, "keep_final": args.keep_final, "parameters": n_params,
+        "hidden": args.hidden, "layers": args.layers, "experts": args.experts, "keep_final": args.keep_final,
+        "parameters": n_params,
         "direct_fraction": args.direct_fraction, "init_from": _build_info(args.init_from),
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},
         "heldout": {"size": len(heldout), "greedy": heldout_greedy, "pass@8": heldout_passk},

@@ -33,12 +33,13 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama")
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 VOCAB_MULTIPLE = 64
 
 
@@ -61,6 +62,13 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
         rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         return LlamaConfig(**common, head_dim=32, attention_bias=False, mlp_bias=False, rope_parameters=rope)
+    if arch == "qwen3_moe":
+        # Qwen3-30B-A3B's layout at the tiny size: every layer sparse, 8 experts, top-2 with the
+        # top-k probabilities renormalised, QK-norm, untied.
+        return Qwen3MoeConfig(**common, head_dim=32, attention_bias=False, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[], router_aux_loss_coef=0.001,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 
 

@@ -65,6 +65,13 @@ def test_pack_keeps_tokens_and_masks_and_isolates_sequences():
     assert not m[4, :5].any() and m[4, 5:].all()  # last token of sequence 1 sees only sequence 1
     assert m[5, :5].all() and not m[5, 5]  # first token of sequence 2 sees only itself
     assert m[0, 1]  # causal
+    # Sequence parallelism (MoE under TP) needs a row length that TP divides: a pad sequence of its own.
+    padded = pack(samples, multiple=8)
+    assert padded.input_ids.tolist() == [[1, 2, 3, 7, 8, 1, 2, 3, 5, 60, 61, 9, 0, 0, 0, 0]]
+    assert padded.position_ids.tolist()[0][12:] == [0, 1, 2, 3] and padded.cu_seqlens.tolist() == [0, 5, 12, 16]
+    assert torch.equal(padded.logit_index, p.logit_index) and torch.equal(padded.targets, p.targets)
+    assert padded.attention_mask()[0, 0, :12, 12:].all()  # no real token sees the pad
+    assert pack(samples, multiple=4).input_ids.shape == (1, 12)  # already a multiple: unchanged
 
 
 def test_data_parallel_shards_cover_every_sample_once_balanced_by_tokens():

@@ -38,3 +38,28 @@ class ProbedTrainerRank(TrainerRank):
             m.zero_grad_buffer()
         self._run(self.model, batches, forward_only=False)
         return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
+
+    def routes_used(self, groups: list) -> list[dict]:
+        """For each packed micro-batch of these groups: the experts every router used for every
+        position in a forward (replayed ones, with algorithm.routing_replay=r3) as sorted
+        [L, layers, top_k] ids, and the batch's own routes and their validity (the engine's)."""
+        from asyncrl.trainer import moe_routing
+
+        used: dict[int, torch.Tensor] = {}
+
+        def record(router, args, output):
+            used[router.layer_number - 1] = output[1].nonzero()[:, 1].view(output[1].shape[0], -1).cpu()
+
+        hooks = [r.register_forward_hook(record) for c in self.model for r in moe_routing.routers(c)]
+        out = []
+        try:
+            for batch in (b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
+                          for b in update):
+                self._run(self.model, [batch], forward_only=True)
+                out.append({"used": torch.stack([used[i] for i in sorted(used)], dim=1),
+                            "routes": None if batch.routes is None else batch.routes.sort(-1).values,
+                            "valid": batch.routes_valid})
+        finally:
+            for h in hooks:
+                h.remove()
+        return out

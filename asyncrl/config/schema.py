@@ -22,6 +22,8 @@ DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
 PAUSE_MODES = ("abort", "keep")
+ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
+MOE_MODEL_TYPES = ("qwen3_moe",)  # the mixture-of-experts model types the megatron trainer loads
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -291,6 +293,9 @@ class AlgorithmConfig:
     sync_every_steps: int = 1  # weight sync every k trainer steps
     partial_rollout: bool = True
     pause_mode: str = "abort"  # abort | keep
+    # MoE models: r3 makes the trainer route each token to the experts the engine chose for it
+    # (the engines return them; docs/moe.md). none: the trainer's router decides.
+    routing_replay: str = "none"
     loss: LossConfig = field(default_factory=LossConfig)
 
 

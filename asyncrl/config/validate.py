@@ -8,6 +8,7 @@ every problem found — each naming the key, the value and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -29,7 +30,9 @@ from asyncrl.config.schema import (
     LOG_LEVELS,
     LOSS_TYPES,
     LR_SCHEDULES,
+    MOE_MODEL_TYPES,
     PAUSE_MODES,
+    ROUTING_REPLAYS,
     SANDBOX_ISOLATIONS,
     TOOL_PARSERS,
     TRAINER_BACKENDS,
@@ -241,6 +244,13 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("algorithm.max_staleness", a.max_staleness, 0, "0 = synchronous on-policy")
     at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
     one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
+    one_of("algorithm.routing_replay", a.routing_replay, ROUTING_REPLAYS)
+    if a.routing_replay == "r3":
+        need(c.engine.backend == "vllm" and t.backend == "megatron", "algorithm.routing_replay", a.routing_replay,
+             "needs engine.backend=vllm and trainer.backend=megatron (vLLM returns routes, megatron replays them)")
+        model_type = _model_type(c.model.path)
+        need(model_type is None or model_type in MOE_MODEL_TYPES, "algorithm.routing_replay", a.routing_replay,
+             f"needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is {model_type!r}")
     samples = a.prompts_per_step * a.n_samples_per_prompt
     need(samples <= MAX_SAMPLES_PER_STEP or a.n_samples_per_prompt > MAX_GROUP_SIZE, "algorithm.prompts_per_step",
          a.prompts_per_step,
@@ -471,6 +481,14 @@ def _check_agents(c: Config, need: Any, at_least: Any) -> None:
 
 # A Hugging Face Hub id ("Qwen/Qwen2.5-0.5B-Instruct"): vLLM and the trainer download it at start.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _model_type(path: str) -> str | None:
+    """The model_type in a checkpoint directory's config.json (None: not a readable local one)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:

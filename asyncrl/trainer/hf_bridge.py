@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,6 +65,12 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
         problems.append("attention_bias=true")
     if getattr(hf, "mlp_bias", False):
         problems.append("mlp_bias=true")
+    if hf.model_type in MOE_MODEL_TYPES:
+        if not getattr(hf, "norm_topk_prob", True):
+            # megatron's top-k-then-softmax router renormalises the top-k probabilities.
+            problems.append("norm_topk_prob=false")
+        if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+            problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
     if hf.vocab_size % tp_size:
         # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
         problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
@@ -101,8 +108,9 @@ def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
     return inv_freq.float()
 
 
-def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
-    """An mbridge bridge for the HF checkpoint at `model_path`, set up for our layers.
+def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, routing_replay: bool = False):
+    """An mbridge bridge for the HF checkpoint at `model_path`, set up for our layers (with
+    `routing_replay`, MoE routers that can replay given experts: moe_routing.py).
 
     Must be called after megatron's parallel state is initialised (the bridge reads it).
     """
@@ -113,9 +121,12 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
     if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     bridge = AutoBridge.from_config(hf, dtype=dtype)
+    moe = hf.model_type in MOE_MODEL_TYPES
     bridge.set_extra_args(
-        # Packed rows have varying lengths; sequence parallel would need them divisible by TP.
-        sequence_parallel=False,
+        # megatron trains MoE layers under TP only with sequence parallelism; packed rows are then
+        # padded to a multiple of TP (batch.pack). Dense layers keep whole rows on every rank. Torch
+        # norms (no TE: CPU) refuse sequence parallelism: there megatron_cpu lifts the MoE guard.
+        sequence_parallel=moe and use_te and mpu.get_tensor_model_parallel_world_size() > 1,
         use_cpu_initialization=cpu,
         # The fused softmax kernels are CUDA-only; megatron falls back to torch when off.
         masked_softmax_fusion=not cpu,
@@ -123,6 +134,20 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if moe and not use_te:
+        # mbridge's MoE bridges ask for TE's fused norms and grouped GEMM; megatron's local layers
+        # have neither, so the experts run as SequentialMLP (one linear pair per expert).
+        bridge.set_extra_args(persist_layer_norm=False, moe_grouped_gemm=False, bias_activation_fusion=False)
+        mbridge_compat.map_sequential_experts(bridge)
+    if routing_replay:
+        if not moe:
+            raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model, not {hf.model_type}")
+        # Each router then holds a RouterReplay; megatron keeps every one made in the process in a
+        # list that only grows (the trainer addresses its own routers, never that list).
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
+        bridge.set_extra_args(moe_enable_routing_replay=True)
     mbridge_compat.map_output_layer(bridge)
     if not use_te:
         mbridge_compat.use_local_layer_spec(bridge)

@@ -10,6 +10,7 @@ megatron-core's own private APIs for CPU training are patched in megatron_cpu.py
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_decoder_block_spec"),
     ("mbridge.core.bridge", "Bridge._DIRECT_MAPPING"),
     ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_to_hf"),
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_local_to_global"),
     ("mbridge.models.qwen2", "Qwen2Bridge._DIRECT_MAPPING"),
     ("mbridge.models.llama", "LLaMABridge._DIRECT_MAPPING"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated"),
@@ -53,6 +55,11 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated",
      "freqs = torch.outer(seq, self.inv_freq)"),
     ("megatron.core.models.gpt.gpt_model", "GPTModel.__init__", "self.rotary_pos_emb = RotaryEmbedding("),
+    # What map_sequential_experts translates to: grouped-GEMM expert names, the expert id after ".weight".
+    ("mbridge.models.qwen2moe", "Qwen2MoEBridge._weight_name_mapping_mlp", 'expert_id = name.split("weight")[-1]'),
+    ("mbridge.core.bridge", "Bridge.export_weights", 'name_prefix, local_expert_id = name.split(".weight")'),
+    ("mbridge.core.bridge", "Bridge.load_weights",
+     "local_to_global_map = self._weight_name_mapping_mcore_local_to_global(model)"),
 ]
 
 
@@ -76,6 +83,29 @@ def map_local_layer_norms(bridge: Any) -> None:
         **type(bridge)._MLP_MAPPING,
         "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
     }
+
+
+# megatron's SequentialMLP (the experts without grouped GEMM): one linear pair per local expert.
+_SEQUENTIAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def map_sequential_experts(bridge: Any) -> None:
+    """Let mbridge's MoE name map read megatron's sequential experts (`...experts.local_experts.E.
+    linear_fc1.weight`) as the grouped-GEMM names it knows (`...experts.linear_fc1.weightE`)."""
+    # mbridge 0.15.1 maps only TE's grouped experts; without TE (CPU) megatron builds SequentialMLP.
+    # Its load and export both go through this local -> global map (expert ids made global only
+    # when `consider_ep`; the export gathers the EP ranks' local ids itself), and every other
+    # step keys on the parameter itself or on names the translation keeps ("linear_fc1.weight").
+    original = bridge._weight_name_mapping_mcore_local_to_global
+
+    def local_to_global(model: torch.nn.Module, consider_ep: bool = True) -> dict[str, str]:
+        names = original(model, consider_ep)
+        per_rank = bridge.config.num_moe_experts // bridge.mpu.ep_size
+        offset = per_rank * bridge.mpu.ep_rank if consider_ep else 0
+        return {local: _SEQUENTIAL_EXPERT.sub(lambda m: f".mlp.experts.{m[2]}.weight{int(m[1]) + offset}", name)
+                for local, name in names.items()}
+
+    bridge._weight_name_mapping_mcore_local_to_global = local_to_global
 
 
 def map_output_layer(bridge: Any) -> None:

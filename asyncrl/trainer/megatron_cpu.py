@@ -36,6 +36,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
     ("megatron.core.pipeline_parallel.schedules", "torch"),
     ("megatron.core.dist_checkpointing.strategies.torch", "_get_filesystem_reader"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"),
 ]
 
 # Why each patch is still needed, and what it must match: (module, attribute path or ""
@@ -51,6 +53,14 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__",
      "self.is_stub_optimizer = True if optimizer is None else False"),
     ("megatron.core.pipeline_parallel.schedules", "", 'torch.zeros([], dtype=torch.int, device="cuda")'),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.__init__",
+     "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+     "with torch.cuda.stream(self.cuda_dtoh_stream):"),
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer.forward",
+     "if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:"),
+    ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
+     "if te_general_gemm is not None and router_dtype != torch.float64:"),
     # Every torch DCP reader of megatron's load path comes from _get_filesystem_reader.
     ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load",
      "fsr = _get_filesystem_reader(checkpoint_dir, cache_metadata=True)"),
@@ -61,6 +71,8 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
 ]
 
 _applied = False
+_MOE_LAYER_FORWARD: Callable[..., Any] | None = None  # megatron's own, wrapped by _moe_layer_forward_cpu
+_NO_CUDA_STREAM = object()  # stands where megatron keeps a CUDA stream it never uses on CPU
 
 
 class CpuRNGStatesTracker:
@@ -153,8 +165,27 @@ def _fp32_optimizer_init_cpu(self, optimizer, config, init_state_fn) -> None:
     self.is_stub_optimizer = optimizer is None
 
 
+def _moe_dispatcher_sync_cpu(self, point, tokens_per_expert=None):
+    # The MoE routing counts are CPU tensors already: no device-to-host copy, no stream to wait on.
+    return tokens_per_expert
+
+
+def _moe_layer_forward_cpu(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+    # MoELayer.forward refuses to train under TP without sequence parallelism, a performance
+    # guard, and torch norms (no TE) refuse sequence parallelism. The guard is the only reader of
+    # the MoE layer's own `training` flag (its router and experts keep theirs).
+    training, self.training = self.training, False
+    try:
+        return _MOE_LAYER_FORWARD(self, hidden_states, intermediate_tensors, padding_mask=padding_mask)
+    finally:
+        self.training = training
+
+
 # The functions replaced, as (module, attribute path, replacement): same parameters.
 REPLACEMENTS: list[tuple[str, str, object]] = [
+    ("megatron.core.transformer.moe.moe_layer", "MoELayer.forward", _moe_layer_forward_cpu),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+     _moe_dispatcher_sync_cpu),
     ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", _fp32_optimizer_init_cpu),
     ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", _grad_norm_fp32_cpu),
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
@@ -196,6 +227,9 @@ def apply_cpu_patches() -> None:
     import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.pipeline_parallel.schedules as mcore_schedules
     from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     # RoPE, grad buffers, GlobalMemoryBuffer, attention masks, mbridge use torch.cuda.current_device() (mcore 0.16.1).
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -209,4 +243,15 @@ def apply_cpu_patches() -> None:
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     # The schedules count tokens in torch.zeros(..., device="cuda") (mcore 0.16.1).
     mcore_schedules.torch = _TorchOnCpu()
+    # The MoE all-to-all dispatcher makes a CUDA stream for its device-to-host copies when the
+    # first one is built, and syncs on it at every forward (mcore 0.16.1); neither exists on CPU.
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_CUDA_STREAM
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _moe_dispatcher_sync_cpu
+    # The router's gating linear tests `te_general_gemm is not None`, a name that is only defined
+    # when Transformer Engine imports (mcore 0.16.1): NameError without TE.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    global _MOE_LAYER_FORWARD
+    _MOE_LAYER_FORWARD = MoELayer.forward
+    MoELayer.forward = _moe_layer_forward_cpu
     _applied = True

@@ -50,6 +50,7 @@ from asyncrl.sync.collective import (
     pack_buckets,
     send_buckets,
 )
+from asyncrl.trainer import moe_routing
 from asyncrl.trainer.batch import (
     PackedBatch,
     assign_weights,
@@ -130,8 +131,16 @@ class TrainerRank:
         self.dp_rank = mpu.get_data_parallel_rank()
 
         path = self.cfg.model.path
-        self.bridge = load_bridge(path, self.dtype, use_te=self.use_te, cpu=self.on_cpu)
+        self.replay_routes = self.cfg.algorithm.routing_replay == "r3"
+        self.bridge = load_bridge(path, self.dtype, use_te=self.use_te, cpu=self.on_cpu,
+                                  routing_replay=self.replay_routes)
+        # Sequence parallelism splits each packed row across the tensor-parallel ranks.
+        self.sequence_parallel = self.bridge.config.sequence_parallel
+        self.pack_multiple = self.tp_size if self.sequence_parallel else 1
         self.model = self._wrap_ddp(self._load_model(build_gpt_model, path))
+        mc = self.bridge.config
+        self.router_stats = (moe_routing.RouterStats(self.model, mc.num_layers, mc.num_moe_experts, mc.moe_router_topk)
+                             if mc.num_moe_experts else None)
         self.ref_model = None
         if self.cfg.algorithm.loss.kl_coef > 0:
             self.ref_model = self._load_model(build_gpt_model, path)
@@ -208,6 +217,8 @@ class TrainerRank:
         loss_sum = 0.0  # the objective as the loss defines it (weights sum to 1 per update), averaged over updates
         grad_norms = []
         updates = self._packed_updates(step.samples)
+        if self.router_stats is not None:
+            self.router_stats.reset()
         # pi_prox is the policy before this step's first update. With one update the forward
         # pass that computes pi_theta gives it; with several it is computed up front.
         need_prox = lc.type == "decoupled_ppo" and len(updates) > 1
@@ -235,6 +246,8 @@ class TrainerRank:
         self.step += 1
         metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.reduce(1 if self.sequence_parallel else self.tp_size))
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/step_s"] = time.monotonic() - t0
@@ -254,7 +267,8 @@ class TrainerRank:
             if mini:
                 assign_weights(mini, aggregation)
                 mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
-                updates.append([pack(mb) for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
+                updates.append([pack(mb, self.pack_multiple)
+                                for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
         return updates
 
     def _update(self, batches: list[PackedBatch]) -> tuple[list[LossOutput], float]:
@@ -263,7 +277,13 @@ class TrainerRank:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = self._run(self.model, batches, forward_only=False)
+        if self.router_stats is not None:  # router health over the training forwards only
+            self.router_stats.enabled = True
+        try:
+            results = self._run(self.model, batches, forward_only=False)
+        finally:
+            if self.router_stats is not None:
+                self.router_stats.enabled = False
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
@@ -282,24 +302,48 @@ class TrainerRank:
 
         if not batches:
             return []
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, forward_only, len(batches)),
-            data_iterator=iter(batches), model=model, num_microbatches=len(batches),
-            seq_length=max(b.input_ids.shape[1] for b in batches), micro_batch_size=1,
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, forward_only, len(batches)),
+                data_iterator=iter(batches), model=model, num_microbatches=len(batches),
+                seq_length=max(b.input_ids.shape[1] for b in batches), micro_batch_size=1,
+                forward_only=forward_only)
+        finally:
+            if self.replay_routes:
+                moe_routing.clear(model)
 
     def _forward_step(self, forward_only: bool, num_micro: int, data_iterator, model):
         batch: PackedBatch = next(data_iterator).to(self.device)
+        routes, valid = self._local_rows(batch.routes), self._local_rows(batch.routes_valid)
+        if self.replay_routes:
+            if routes is None:
+                raise ValueError("algorithm.routing_replay=r3, but a micro-batch has no routes (no sample carries any)")
+            moe_routing.replay(model, routes)
+        if self.router_stats is not None:
+            self.router_stats.batch(routes, valid)
+        output = self._forward(model, batch)
+        if self.replay_routes:
+            moe_routing.after_forward(model)
+        return output, partial(self._loss, batch, forward_only, num_micro)
+
+    def _local_rows(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's rows of a per-position tensor: a 1/TP slice under sequence parallelism."""
+        if rows is None or not self.sequence_parallel:
+            return rows
+        from megatron.core import parallel_state as mpu
+
+        n = rows.shape[0] // self.tp_size
+        return rows[mpu.get_tensor_model_parallel_rank() * n:][:n]
+
+    def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         if self.use_te:
             from megatron.core.packed_seq_params import PackedSeqParams
 
             cu = batch.cu_seqlens
             packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                      max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
-            output = model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed)
-        else:
-            output = model(batch.input_ids, batch.position_ids, batch.attention_mask().to(self.device))
-        return output, partial(self._loss, batch, forward_only, num_micro)
+            return model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed)
+        return model(batch.input_ids, batch.position_ids, batch.attention_mask().to(self.device))
 
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
         from megatron.core import tensor_parallel

