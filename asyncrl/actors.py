@@ -23,7 +23,8 @@ from typing import Any
 import ray
 
 from asyncrl.clock import Clock
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import MOE_MODEL_TYPES, Config
+from asyncrl.config.validate import checkpoint_model_type
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.sim_engine import SimEngine
@@ -173,7 +174,8 @@ def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stre
         t = cfg.trainer.sim
         extra = {"time_scale": cfg.cluster.time_scale, "receive_s": t.weight_bytes / t.broadcast_bytes_per_s,
                  "max_new_tokens": cfg.rollout.max_new_tokens}
-    elif cfg.algorithm.routing_replay == "r3":
+    elif cfg.algorithm.routing_replay == "r3" or checkpoint_model_type(cfg.model.path) in MOE_MODEL_TYPES:
+        # MoE: the engines return routes, for the trainer to replay (r3) or to compare its own with
         extra = {"return_routes": True}
     return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
             .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream,

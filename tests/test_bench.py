@@ -68,7 +68,8 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    usage = "usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,staleness,simulate,calibrate}"
+    usage = ("usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,staleness,routing-replay,simulate,"
+             "calibrate}")
     assert out.returncode == 2 and usage in out.stderr
 
 
@@ -213,6 +214,21 @@ def test_staleness_figures_by_hand(tmp_path):
     table = markdown_table(runs, BenchConfig(steps=2))
     # the synchronous run is every loss's k = 0
     assert "| grpo | 50.0 (30.0) | 40.0 (30.0) |" in table and "| tis | 50.0 (30.0) | 30.0 (30.0) |" in table
+
+
+def test_routing_replay_table_by_hand():
+    from asyncrl.bench.routing_replay import markdown_table
+
+    run = {"auc": 0.5, "mismatch_kl": 1e-3, "clip_fraction": 0.01}
+    runs = [{**run, "routing_replay": "none", "staleness": 2, "seed": s, "final_accuracy": a, "router_agreement": g}
+            for s, a, g in ((1, 0.6, 0.98), (2, 0.8, 0.96))]
+    runs.append({**run, "routing_replay": "r3", "staleness": 2, "seed": 1, "final_accuracy": 0.9,
+                 "router_agreement": None})
+    table = markdown_table(runs, BenchConfig(steps=4))
+    # none: the means over its two seeds; r3 without an agreement figure leaves its cell empty
+    assert "| none | 2 | 70.0% | 50.0% | 0.9700 | 1.00e-03 | 0.0100 |" in table
+    assert "| r3 | 2 | 90.0% | 50.0% |  | 1.00e-03 | 0.0100 |" in table
+    assert "3 runs, 2 seed(s), 4 steps each." in table
 
 
 @pytest.mark.slow

@@ -23,11 +23,12 @@ from tests.conftest import REPO
 
 FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 MOE_FAMILIES = ("qwen3_moe",)
-# (tensor, pipeline, data) parallel sizes by name. Every family at TP 1 and 2; one dense and one
-# MoE family also at PP 2 and DP 2, each checked against its TP 1 step on the same batch.
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+# (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2; one dense
+# and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its experts split over the two
+# ranks, EP 2; plain DP 2 measured once, docs/models.md), each against its TP 1 step on the same batch.
+LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
 CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2")] + [
-    (arch, layout) for arch in ("qwen3", "qwen3_moe") for layout in ("pp2", "dp2")]
+    ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2")]
 # fp32 on CPU: measured 2.0e-6 to 2.4e-6 (logits of magnitude up to ~6), TP 1 and 2 alike;
 # vLLM's greedy logprobs vs the trainer's 1.4e-6 (llama).
 LOGIT_ATOL = 1e-4
@@ -180,7 +181,7 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
     from tests.trainer_probes import ProbedTrainerRank
 
     arch, layout = request.param
-    tp, pp, dp = LAYOUTS[layout]
+    tp, pp, dp, ep = LAYOUTS[layout]
     path = tiny_models[arch]
     # The engine runs (alone, before the trainer) only where its test was collected.
     engine = engine_greedy(path) if (arch, layout) == ENGINE_CASE and any(
@@ -188,7 +189,8 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
     out = tmp_path_factory.mktemp(f"{arch}_{layout}")
     groups = make_groups(AutoTokenizer.from_pretrained(path), seed=0)
     cfg = load_config([f"model.path={path}", f"trainer.tensor_parallel_size={tp}", "trainer.lr=1e-3",
-                       f"trainer.pipeline_parallel_size={pp}", f"trainer.data_parallel_size={dp}"])
+                       f"trainer.pipeline_parallel_size={pp}", f"trainer.data_parallel_size={dp}",
+                       f"trainer.expert_parallel_size={ep}"])
     group = create_trainer(cfg, rank_class=ProbedTrainerRank)
     try:
         t0 = time.monotonic()

@@ -4,9 +4,10 @@ algorithm.routing_replay=r3, routes every (token, layer) of its forward exactly 
 
 One engine and one trainer serve every test here. What is checked:
 - the engine's routes are HF's router top-k at the same weights, for the prompt and each token;
-- the engine's greedy logprobs equal the trainer's forward (MoE, TP 1);
+- the engine's greedy logprobs equal the trainer's forward (MoE, TP 1), and again after weight
+  updates that change the model and restore it;
 - a replayed forward uses the engine's routes for every (token, layer), and other routes when
-  given other ones (the replay is what decides);
+  given other ones (the replay is what decides), at TP 1 and 2;
 - across a resume after a weight change (abort mode's continuation) each position keeps the
   routes of the forward that first computed it, and in keep mode a request paused mid-generation
   keeps the routes of the weights it started with for the positions computed before the pause;
@@ -116,7 +117,8 @@ def trajectory(prompt: list[int], result, group: str, reward: float) -> Trajecto
 
 
 def trainer_views(path, results) -> dict:
-    """The r3 trainer on the greedy results: its logits (no replay), and the routes it used."""
+    """The r3 trainer on the greedy results, at TP 1: its logits (no replay), the routes it used
+    with the engine's and with other routes, a train step's metrics; at TP 2: the other routes."""
     from asyncrl.actors import create_trainer
     from asyncrl.run_config import load_config
     from tests.trainer_probes import ProbedTrainerRank
@@ -133,17 +135,24 @@ def trainer_views(path, results) -> dict:
         o.prompt_id = o.group_id = "o"
         o.routes = RoutedExperts.from_array(elsewhere)
         other.trajectories.append(o)
-    cfg = load_config([f"model.path={path}", "algorithm.routing_replay=r3", "trainer.micro_batch_size=2"])
-    trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
-    try:
-        trainer.setup()
-        sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
-        return {"logits": trainer.call("forward_logits", sequences),
-                "replayed": trainer.call("routes_used", [group]),
-                "other": trainer.call("routes_used", [other]),
-                "metrics": trainer.train_step([group], 0).metrics}
-    finally:
-        trainer.shutdown()
+    views = {}
+    for tp in (1, 2):
+        cfg = load_config([f"model.path={path}", "algorithm.routing_replay=r3", "trainer.micro_batch_size=2",
+                           f"trainer.tensor_parallel_size={tp}"])
+        trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
+        try:
+            trainer.setup()
+            if tp == 1:
+                sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
+                views.update(logits=trainer.call("forward_logits", sequences),
+                             replayed=trainer.call("routes_used", [group]),
+                             other=trainer.call("routes_used", [other]),
+                             metrics=trainer.train_step([group], 0).metrics)
+            else:  # each TP rank replays the same routes over all rows (no sequence parallelism on CPU)
+                views["other_tp2"] = trainer.call("routes_used", [other])
+        finally:
+            trainer.shutdown()
+    return views
 
 
 def test_engine_routes_are_hfs_router_choices(run):
@@ -167,7 +176,7 @@ def test_engine_logprobs_equal_the_trainers(run):
 
 
 def test_replayed_forward_uses_exactly_the_given_routes(run):
-    for views in (run["trainer"]["replayed"], run["trainer"]["other"]):
+    for views in (run["trainer"]["replayed"], run["trainer"]["other"], run["trainer"]["other_tp2"]):
         for batch in views:
             valid = batch["valid"]
             assert valid.sum() == 2 * (len(PROMPTS[0]) + NEW_TOKENS - 1)  # every position but each last one
@@ -197,6 +206,14 @@ def test_a_resumed_rollout_keeps_each_positions_first_routes(run):
     assert (np.sort(b[:cut], -1) != np.sort(a, -1)).any(-1).all()
 
 
+def test_a_weight_update_gives_the_engine_exactly_the_weights_sent(run):
+    """After other weights and then the original ones again, the engine generates exactly as before
+    (vLLM-CPU packs MoE experts only at its first load: vllm_compat.repack_cpu_moe_experts)."""
+    before, after = run["greedy"][1], run["keep_reference"]
+    assert after.token_ids[:NEW_TOKENS] == before.token_ids
+    assert after.logprobs[:NEW_TOKENS] == before.logprobs
+
+
 def test_keep_mode_keeps_the_routes_of_the_weights_a_request_started_with(run):
     result, reference = run["keep"], run["keep_reference"]
     assert result is not None, "no keep pause landed mid-generation in 8 tries"
@@ -214,6 +231,26 @@ def test_routes_survive_a_snapshot_and_json(run):
     back = AgentLoopSnapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
     assert back.trajectory.routes == t.routes
     assert back.trajectory.routes.array().dtype == np.uint8
+
+
+def test_router_health_figures_by_hand():
+    from asyncrl.trainer.moe_routing import RouterStats
+
+    stats = RouterStats([], num_layers=2, num_experts=4, top_k=2)
+    # layer 0: 4 tokens x top-2 = 8 slots spread evenly, mean gate probability 1/4 each: balanced
+    stats.tokens[0] = torch.tensor([2.0, 2, 2, 2])
+    stats.probs[0] = torch.tensor([1.0, 1, 1, 1])
+    # layer 1: 6 of 8 slots on expert 0, 2 on expert 1; probabilities 3, 1, 0, 0 over 4 tokens
+    stats.tokens[1] = torch.tensor([6.0, 2, 0, 0])
+    stats.probs[1] = torch.tensor([3.0, 1, 0, 0])
+    stats.agree[1] = torch.tensor([3.0, 4.0])
+    m = stats.reduce(tp_size=1)
+    assert m["moe/layer0/max_load"] == 1.0 and m["moe/layer0/aux_loss"] == pytest.approx(1.0)
+    # f = (0.75, 0.25, 0, 0), P = (0.75, 0.25, 0, 0): 4 x (0.5625 + 0.0625) = 2.5; max 0.75 x 4 = 3
+    assert m["moe/layer1/max_load"] == 3.0 and m["moe/layer1/aux_loss"] == pytest.approx(2.5)
+    assert m["moe/layer1/idle_experts"] == 2.0 and m["moe/max_load"] == 3.0
+    assert m["moe/aux_loss"] == pytest.approx(1.75)
+    assert m["moe/router_agreement"] == 0.75 and "moe/layer0/router_agreement" not in m
 
 
 def test_routes_extend_only_past_the_positions_held():

@@ -7,6 +7,7 @@ baseline in the same run.
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
     staleness     learning at staleness held exactly at k, per loss, against synchronous training
+    routing-replay  MoE rollout routing replay (r3) against none, at staleness held at k
     simulate      a scenario on simulated backends, colocated sync vs async (`asyncrl simulate SCENARIO`)
     calibrate     this machine's engine, trainer and sync measured into a scenario (`asyncrl calibrate RECIPE`)
 
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
     "faults": "asyncrl.bench.faults:run_faults_bench",
     "staleness": "asyncrl.bench.staleness:run_staleness_bench",
+    "routing-replay": "asyncrl.bench.routing_replay:run_routing_replay_bench",
     "simulate": "asyncrl.bench.simulate:run_simulate_bench",
     "calibrate": "asyncrl.bench.calibrate:run_calibrate_bench",
 }

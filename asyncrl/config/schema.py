@@ -236,6 +236,8 @@ class TrainerConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    # MoE: experts split over this many of the data-parallel ranks (megatron's expert parallelism).
+    expert_parallel_size: int = 1
     micro_batch_size: int = 8  # trajectories packed into one forward/backward on one data-parallel rank
     mini_batches_per_step: int = 1  # optimizer updates per train step (>1: PPO-style, pi_prox != pi_theta)
     lr: float = 1e-4
@@ -294,7 +296,8 @@ class AlgorithmConfig:
     partial_rollout: bool = True
     pause_mode: str = "abort"  # abort | keep
     # MoE models: r3 makes the trainer route each token to the experts the engine chose for it
-    # (the engines return them; docs/moe.md). none: the trainer's router decides.
+    # (docs/moe.md). none: the trainer's router decides. The engines return the routes of an MoE
+    # model's tokens either way (the trainer reports how often its router agrees).
     routing_replay: str = "none"
     loss: LossConfig = field(default_factory=LossConfig)
 

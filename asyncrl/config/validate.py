@@ -210,6 +210,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
     t = c.trainer
     one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
     _check_sim(c, need, at_least)
+    need(t.expert_parallel_size >= 1 and t.data_parallel_size % t.expert_parallel_size == 0,
+         "trainer.expert_parallel_size", t.expert_parallel_size,
+         f"must divide trainer.data_parallel_size={t.data_parallel_size} (experts are split over data-parallel ranks)")
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         within(f"trainer.{name}", getattr(t, name), 1, MAX_PARALLEL)
     within("trainer.micro_batch_size", t.micro_batch_size, 1, MAX_SAMPLES_PER_STEP)
@@ -248,7 +251,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     if a.routing_replay == "r3":
         need(c.engine.backend == "vllm" and t.backend == "megatron", "algorithm.routing_replay", a.routing_replay,
              "needs engine.backend=vllm and trainer.backend=megatron (vLLM returns routes, megatron replays them)")
-        model_type = _model_type(c.model.path)
+        model_type = checkpoint_model_type(c.model.path)
         need(model_type is None or model_type in MOE_MODEL_TYPES, "algorithm.routing_replay", a.routing_replay,
              f"needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is {model_type!r}")
     samples = a.prompts_per_step * a.n_samples_per_prompt
@@ -483,7 +486,7 @@ def _check_agents(c: Config, need: Any, at_least: Any) -> None:
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def _model_type(path: str) -> str | None:
+def checkpoint_model_type(path: str) -> str | None:
     """The model_type in a checkpoint directory's config.json (None: not a readable local one)."""
     try:
         return json.loads((Path(path) / "config.json").read_text()).get("model_type")

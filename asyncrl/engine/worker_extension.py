@@ -194,6 +194,8 @@ class WeightLoaderExtension:
         in-place reload, which re-runs the post-load processing."""
         model = vllm_compat.worker_model(self)
         vllm_compat.reload_weights(self, tensors)
+        if vllm_compat.worker_device(self).type == "cpu":
+            vllm_compat.repack_cpu_moe_experts(model)
         if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
             # vLLM-CPU keeps a prepacked GEMM of the tied lm_head that reload_weights does
             # not refresh: without this, logits come from the old embedding.

@@ -3,8 +3,9 @@
 Writes RUN_DIR/plots.png with a panel each for reward and held-out accuracy, throughput,
 staleness, the trainer's and engines' idle ratios and the engines' utilization (mean
 requests running over their concurrency: it sees an engine that serves one straggler),
-and, in runs whose loops call tools, the share of tool calls without an error and the
-errors by reason (a panel with nothing to draw is left out).
+in runs whose loops call tools, the share of tool calls without an error and the errors by
+reason, and in runs of MoE models the routers' health: agreement with the engine's routes,
+load balance (a panel with nothing to draw is left out).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ PANELS = (
                               ("util/engines", "engine utilization"))),
     ("tool calls", (("rollout/tool_call_validity", "calls without error (share)"),)),
     ("tool errors so far, by reason", (("rollout/tool_errors/", ""),)),  # a prefix: one line per key
+    ("MoE: trainer top-k = engine's (share)", (("moe/router_agreement", "all layers"),)),
+    ("MoE load balance (1 = balanced)", (("moe/max_load", "busiest expert / mean"),
+                                         ("moe/aux_loss", "aux loss E x sum f P"))),
 )
 
 
@@ -34,16 +38,22 @@ def plot_run(run_dir: str | Path) -> Path:
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
-    for ax, (title, series) in zip(axes.flat, PANELS):
+    panels = []  # (title, [(label, xs, ys)]): e.g. no tool panels for a run whose loops call no tools
+    for title, series in PANELS:
+        lines = []
         for key, label in _expand(series, records):
             points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, label=label)
-        if not ax.lines:  # e.g. the tool panels of a run whose loops call no tools
-            ax.remove()
-            continue
+                lines.append((label, *zip(*points)))
+        if lines:
+            panels.append((title, lines))
+    rows = max(1, -(-len(panels) // 3))
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 3.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, (title, lines) in zip(axes.flat, panels):
+        for label, xs, ys in lines:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
         ax.set_title(title)
         ax.set_xlabel("train step")
         ax.grid(alpha=0.3)

@@ -57,6 +57,8 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
      "with torch.cuda.stream(self.cuda_dtoh_stream):"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+     "self.input_splits, as_numpy=True"),
     ("megatron.core.transformer.moe.moe_layer", "MoELayer.forward",
      "if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:"),
     ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
@@ -166,7 +168,12 @@ def _fp32_optimizer_init_cpu(self, optimizer, config, init_state_fn) -> None:
 
 
 def _moe_dispatcher_sync_cpu(self, point, tokens_per_expert=None):
-    # The MoE routing counts are CPU tensors already: no device-to-host copy, no stream to wait on.
+    # The MoE routing counts are CPU tensors already: no device-to-host copy, no stream to wait
+    # on; only the expert-parallel all-to-all's split sizes become numpy, as megatron's copy makes them.
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            if torch.is_tensor(getattr(self, name, None)):
+                setattr(self, name, getattr(self, name).numpy())
     return tokens_per_expert
 
 

@@ -101,7 +101,8 @@ class RouterStats:
     def reduce(self, tp_size: int) -> dict[str, float]:
         """Metrics over every rank's tokens (TP ranks hold copies; PP stages hold their own layers)."""
         vec = torch.cat([self.tokens.flatten(), self.probs.flatten(), self.agree.flatten()])
-        torch.distributed.all_reduce(vec)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(vec)
         vec /= tp_size
         n = self.num_layers * self.num_experts
         tokens, probs, agree = vec[:n].view_as(self.tokens), vec[n:2 * n].view_as(self.probs), vec[2 * n:].view(-1, 2)

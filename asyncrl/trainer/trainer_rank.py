@@ -121,9 +121,11 @@ class TrainerRank:
             bind_this_process(t.cpu_cores)
             torch.set_num_threads(t.torch_threads or max(1, int(t.num_cpus_per_rank)))
         mpu.initialize_model_parallel(tensor_model_parallel_size=t.tensor_parallel_size,
-                                      pipeline_model_parallel_size=t.pipeline_parallel_size)
+                                      pipeline_model_parallel_size=t.pipeline_parallel_size,
+                                      expert_model_parallel_size=t.expert_parallel_size)
         if self.on_cpu:
-            seed_cpu_model_parallel_rng(self.cfg.run.seed, mpu.get_tensor_model_parallel_rank())
+            seed_cpu_model_parallel_rng(self.cfg.run.seed, mpu.get_tensor_model_parallel_rank(),
+                                        mpu.get_expert_model_parallel_rank())
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
         self.use_te = not self.on_cpu and transformer_engine_available()
