@@ -25,7 +25,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.types import (
     AgentLoopSnapshot,
@@ -155,6 +155,7 @@ def trainer_views(path, results) -> dict:
     return views
 
 
+@pytest.mark.slow
 def test_engine_routes_are_hfs_router_choices(run):
     for prompt, result, ref in zip(PROMPTS, run["greedy"], run["hf"]):
         routes = result.routes.array()
@@ -164,6 +165,7 @@ def test_engine_routes_are_hfs_router_choices(run):
     assert run["routes_missing"] == 0
 
 
+@pytest.mark.slow
 def test_engine_logprobs_equal_the_trainers(run):
     n = len(PROMPTS[0])
     logp = torch.log_softmax(run["trainer"]["logits"], -1)[:, n - 1:-1]
@@ -175,6 +177,7 @@ def test_engine_logprobs_equal_the_trainers(run):
     assert diff < LOGPROB_ATOL
 
 
+@pytest.mark.slow
 def test_replayed_forward_uses_exactly_the_given_routes(run):
     for views in (run["trainer"]["replayed"], run["trainer"]["other"], run["trainer"]["other_tp2"]):
         for batch in views:
@@ -186,6 +189,7 @@ def test_replayed_forward_uses_exactly_the_given_routes(run):
     assert not (mine["routes"] == other["routes"]).all(-1)[mine["valid"]].any()
 
 
+@pytest.mark.slow
 def test_router_health_is_in_the_step_metrics(run):
     m = run["trainer"]["metrics"]
     assert m["moe/router_agreement"] == 1.0  # replayed at the engine's own weights: the same choices
@@ -193,6 +197,7 @@ def test_router_health_is_in_the_step_metrics(run):
     assert m["moe/aux_loss"] > 0 and {"moe/layer0/max_load", "moe/layer1/aux_loss"} <= set(m)
 
 
+@pytest.mark.slow
 def test_a_resumed_rollout_keeps_each_positions_first_routes(run):
     first, second = run["resume"]
     t = trajectory(PROMPTS[0], first, "p", 0.0)  # what the agent loop does with each result
@@ -206,6 +211,7 @@ def test_a_resumed_rollout_keeps_each_positions_first_routes(run):
     assert (np.sort(b[:cut], -1) != np.sort(a, -1)).any(-1).all()
 
 
+@pytest.mark.slow
 def test_a_weight_update_gives_the_engine_exactly_the_weights_sent(run):
     """After other weights and then the original ones again, the engine generates exactly as before
     (vLLM-CPU packs MoE experts only at its first load: vllm_compat.repack_cpu_moe_experts)."""
@@ -214,6 +220,7 @@ def test_a_weight_update_gives_the_engine_exactly_the_weights_sent(run):
     assert after.logprobs[:NEW_TOKENS] == before.logprobs
 
 
+@pytest.mark.slow
 def test_keep_mode_keeps_the_routes_of_the_weights_a_request_started_with(run):
     result, reference = run["keep"], run["keep_reference"]
     assert result is not None, "no keep pause landed mid-generation in 8 tries"
@@ -225,6 +232,7 @@ def test_keep_mode_keeps_the_routes_of_the_weights_a_request_started_with(run):
     assert (routes[:cut] == ref[:cut]).all()
 
 
+@pytest.mark.slow
 def test_routes_survive_a_snapshot_and_json(run):
     t = trajectory(PROMPTS[0], run["greedy"][0], "s", 1.0)
     snap = AgentLoopSnapshot("partial_single_turn", "generating", t, max_new_tokens=64)
@@ -251,6 +259,42 @@ def test_router_health_figures_by_hand():
     assert m["moe/layer1/idle_experts"] == 2.0 and m["moe/max_load"] == 3.0
     assert m["moe/aux_loss"] == pytest.approx(1.75)
     assert m["moe/router_agreement"] == 0.75 and "moe/layer0/router_agreement" not in m
+
+
+def test_routes_cross_the_gateway_merged_over_an_abort_and_over_http(base_model):
+    """An agent behind the env server generates through the gateway: an aborted part and its
+    continuation come back as one result whose routes keep each position's first ones."""
+    import asyncio
+
+    from asyncrl.agents.openai_inference import OpenAIInference
+    from asyncrl.inference.protocol import InferenceInterface
+    from asyncrl.rollout.gateway import InferenceGateway
+    from asyncrl.types import GenerationResult
+
+    first = np.zeros((4, 2, 2), np.uint8)  # prompt of 3 + 2 tokens sampled: positions 0..3
+    second = np.ones((8, 2, 2), np.uint8)  # the continuation recomputed 0..4, then 5..7
+    parts = [GenerationResult([7, 8], [-0.1, -0.2], [0, 0], "abort", RoutedExperts.from_array(first)),
+             GenerationResult([9, 10, 11, 12], [-0.3] * 4, [1] * 4, "length", RoutedExperts.from_array(second))]
+
+    class Parts(InferenceInterface):
+        async def agenerate(self, prompt_token_ids, sampling, request_id):
+            return parts.pop(0)
+
+    async def go():
+        gateway = InferenceGateway(lambda: Parts(), AutoTokenizer.from_pretrained(base_model))
+        endpoint = await gateway.serve()
+        try:
+            client = OpenAIInference(endpoint)
+            out = await client.agenerate([1, 2, 3], SamplingSpec(max_new_tokens=6), "gw")
+            await client.aclose()
+            return out
+        finally:
+            await gateway.stop()
+
+    out = asyncio.run(go())
+    assert out.token_ids == [7, 8, 9, 10, 11, 12] and out.versions == [0, 0, 1, 1, 1, 1]
+    routes = out.routes.array()
+    assert routes.shape == (8, 2, 2) and (routes[:4] == 0).all() and (routes[4:] == 1).all()
 
 
 def test_routes_extend_only_past_the_positions_held():

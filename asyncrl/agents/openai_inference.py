@@ -3,7 +3,8 @@
 Used by the env server (its agents generate through the rollout worker's gateway during
 training) and by `asyncrl eval eval.endpoint=...` (e.g. a `vllm serve` process). Prompts
 go as token ids; vLLM and the asyncrl gateway return the sampled token ids
-(`return_token_ids`), their logprobs and, the gateway only, each token's policy version.
+(`return_token_ids`), their logprobs and, the gateway only, each token's policy version (and,
+for an MoE model, each position's routed experts).
 An endpoint that returns only text is re-tokenized (fine for evaluation, never for
 training: `returns_token_ids` is then False).
 
@@ -26,7 +27,7 @@ import httpx
 import msgspec
 
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
-from asyncrl.types import GenerationResult, SamplingSpec
+from asyncrl.types import GenerationResult, RoutedExperts, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,19 @@ class _Logprobs(msgspec.Struct):
     token_logprobs: list[float] | None = None
 
 
+class _Routes(msgspec.Struct):
+    data: str  # base64 of uint8 [positions, layers, top_k] (RoutedExperts.to_dict)
+    layers: int
+    top_k: int
+
+
 class _Choice(msgspec.Struct):
     text: str = ""
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
     versions: list[int] | None = None
     finish_reason: str | None = None
+    routes: _Routes | None = None
 
 
 class _Completion(msgspec.Struct):
@@ -101,7 +109,15 @@ class OpenAIInference(InferenceInterface):
             lps = [0.0] * len(ids)
         versions = choice.versions if choice.versions is not None and len(choice.versions) == len(ids) \
             else [-1] * len(ids)
-        return GenerationResult(list(ids), list(lps), list(versions), choice.finish_reason or "stop")
+        routes = None
+        if choice.routes is not None:  # the gateway, for an MoE model: each position's experts
+            try:
+                routes = RoutedExperts.from_dict(msgspec.structs.asdict(choice.routes))
+                if routes.positions * routes.layers * routes.top_k != len(routes.data):
+                    raise ValueError("its length is not positions x layers x top_k")
+            except ValueError as e:
+                raise RuntimeError(f"{where} answered routes that do not decode ({e})") from None
+        return GenerationResult(list(ids), list(lps), list(versions), choice.finish_reason or "stop", routes)
 
     async def aclose(self) -> None:
         client = self._clients.pop(id(asyncio.get_running_loop()), None)

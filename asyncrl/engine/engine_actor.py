@@ -89,6 +89,7 @@ class EngineActor:
         # Routing replay (R3): each result carries the experts its tokens were routed to.
         self.return_routes = return_routes
         self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
+        self._discarding: set[asyncio.Task] = set()  # pops of cancelled requests' routes
         self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
@@ -232,6 +233,12 @@ class EngineActor:
         except engine_dead_error():
             self._fail("vLLM's engine core died")
             raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
+        except BaseException:  # cancelled (its caller went away): the worker must not keep its routes
+            if self.return_routes and not self._failed:
+                task = asyncio.ensure_future(self._discard_routes(request_id))
+                self._discarding.add(task)
+                task.add_done_callback(self._discarding.discard)
+            raise
         finally:
             # 4) done
             self._account()
@@ -245,6 +252,12 @@ class EngineActor:
         if self.return_routes:  # an abort before the first token may have forwarded none, or part of the prompt
             routes = await self._routes(request_id, len(prompt_token_ids) + len(token_ids) - 1 if token_ids else 0)
         return GenerationResult(token_ids, logprobs, versions, finish_reason, routes)
+
+    async def _discard_routes(self, request_id: str) -> None:
+        try:
+            await self._llm.collective_rpc("asyncrl_pop_routes", args=(request_id,))
+        except Exception as e:  # the engine is going away: nothing left to free
+            logger.debug("engine-%d: routes of %s not discarded: %s", self.engine_id, request_id, e)
 
     async def _routes(self, request_id: str, forwarded: int) -> RoutedExperts:
         """The routes the worker recorded for this request's `forwarded` positions (every token

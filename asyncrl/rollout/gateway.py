@@ -60,8 +60,9 @@ class InferenceGateway(InferenceInterface):
             left = sampling.max_new_tokens - len(out.token_ids)
             part = await engine.agenerate(list(prompt_token_ids) + out.token_ids,
                                           replace(sampling, max_new_tokens=left), f"{request_id}.{attempt}")
+            routes = part.routes if out.routes is None else out.routes.extended(part.routes)
             out = GenerationResult(out.token_ids + part.token_ids, out.logprobs + part.logprobs,
-                                   out.versions + part.versions, part.finish_reason)
+                                   out.versions + part.versions, part.finish_reason, routes)
             if not part.interrupted:
                 return out
             if len(out.token_ids) >= sampling.max_new_tokens:
@@ -115,6 +116,7 @@ class InferenceGateway(InferenceInterface):
             return {"object": "text_completion", "model": self.model_name, "choices": [{
                 "index": 0, "text": self.tokenizer.decode(out.token_ids), "token_ids": out.token_ids,
                 "prompt_token_ids": ids, "logprobs": {"token_logprobs": out.logprobs},
-                "versions": out.versions, "finish_reason": out.finish_reason}]}
+                "versions": out.versions, "finish_reason": out.finish_reason,
+                **({"routes": out.routes.to_dict()} if out.routes is not None else {})}]}
 
         return app
