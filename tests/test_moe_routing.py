@@ -7,7 +7,8 @@ One engine and one trainer serve every test here. What is checked:
 - the engine's greedy logprobs equal the trainer's forward (MoE, TP 1), and again after weight
   updates that change the model and restore it;
 - a replayed forward uses the engine's routes for every (token, layer), and other routes when
-  given other ones (the replay is what decides), at TP 1 and 2;
+  given other ones (the replay is what decides); at TP 2, PP 2 and EP 2 test_model_families
+  replays given routes;
 - across a resume after a weight change (abort mode's continuation) each position keeps the
   routes of the forward that first computed it, and in keep mode a request paused mid-generation
   keeps the routes of the weights it started with for the positions computed before the pause;
@@ -117,8 +118,8 @@ def trajectory(prompt: list[int], result, group: str, reward: float) -> Trajecto
 
 
 def trainer_views(path, results) -> dict:
-    """The r3 trainer on the greedy results, at TP 1: its logits (no replay), the routes it used
-    with the engine's and with other routes, a train step's metrics; at TP 2: the other routes."""
+    """The r3 trainer on the greedy results: its logits (no replay), the routes it used with the
+    engine's and with other routes, a train step's metrics."""
     from asyncrl.actors import create_trainer
     from asyncrl.run_config import load_config
     from tests.trainer_probes import ProbedTrainerRank
@@ -135,24 +136,17 @@ def trainer_views(path, results) -> dict:
         o.prompt_id = o.group_id = "o"
         o.routes = RoutedExperts.from_array(elsewhere)
         other.trajectories.append(o)
-    views = {}
-    for tp in (1, 2):
-        cfg = load_config([f"model.path={path}", "algorithm.routing_replay=r3", "trainer.micro_batch_size=2",
-                           f"trainer.tensor_parallel_size={tp}"])
-        trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
-        try:
-            trainer.setup()
-            if tp == 1:
-                sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
-                views.update(logits=trainer.call("forward_logits", sequences),
-                             replayed=trainer.call("routes_used", [group]),
-                             other=trainer.call("routes_used", [other]),
-                             metrics=trainer.train_step([group], 0).metrics)
-            else:  # each TP rank replays the same routes over all rows (no sequence parallelism on CPU)
-                views["other_tp2"] = trainer.call("routes_used", [other])
-        finally:
-            trainer.shutdown()
-    return views
+    cfg = load_config([f"model.path={path}", "algorithm.routing_replay=r3", "trainer.micro_batch_size=2"])
+    trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
+    try:
+        trainer.setup()
+        sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
+        return {"logits": trainer.call("forward_logits", sequences),
+                "replayed": trainer.call("routes_used", [group]),
+                "other": trainer.call("routes_used", [other]),
+                "metrics": trainer.train_step([group], 0).metrics}
+    finally:
+        trainer.shutdown()
 
 
 @pytest.mark.slow
@@ -179,7 +173,7 @@ def test_engine_logprobs_equal_the_trainers(run):
 
 @pytest.mark.slow
 def test_replayed_forward_uses_exactly_the_given_routes(run):
-    for views in (run["trainer"]["replayed"], run["trainer"]["other"], run["trainer"]["other_tp2"]):
+    for views in (run["trainer"]["replayed"], run["trainer"]["other"]):
         for batch in views:
             valid = batch["valid"]
             assert valid.sum() == 2 * (len(PROMPTS[0]) + NEW_TOKENS - 1)  # every position but each last one

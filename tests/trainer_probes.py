@@ -40,9 +40,10 @@ class ProbedTrainerRank(TrainerRank):
         return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
 
     def routes_used(self, groups: list) -> list[dict]:
-        """For each packed micro-batch of these groups: the experts every router used for every
-        position in a forward (replayed ones, with algorithm.routing_replay=r3) as sorted
-        [L, layers, top_k] ids, and the batch's own routes and their validity (the engine's)."""
+        """For each packed micro-batch of these groups (this rank's share): the experts every router
+        of this rank's stage used for every position in a forward (replayed ones, with
+        algorithm.routing_replay=r3) as sorted [L, layers, top_k] ids, those layers, and the batch's
+        own routes of those layers and their validity."""
         from asyncrl.trainer import moe_routing
 
         used: dict[int, torch.Tensor] = {}
@@ -56,8 +57,9 @@ class ProbedTrainerRank(TrainerRank):
             for batch in (b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
                           for b in update):
                 self._run(self.model, [batch], forward_only=True)
-                out.append({"used": torch.stack([used[i] for i in sorted(used)], dim=1),
-                            "routes": None if batch.routes is None else batch.routes.sort(-1).values,
+                layers = sorted(used)  # this rank's pipeline stage's MoE layers
+                out.append({"layers": layers, "used": torch.stack([used[i] for i in layers], dim=1),
+                            "routes": None if batch.routes is None else batch.routes[:, layers].sort(-1).values,
                             "valid": batch.routes_valid})
         finally:
             for h in hooks:

@@ -61,6 +61,9 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "self.input_splits, as_numpy=True"),
     ("megatron.core.transformer.moe.moe_layer", "MoELayer.forward",
      "if self.training and self.attn_tp_group.size() > 1 and not self.config.sequence_parallel:"),
+    # Why tp_fold_expert_params is needed: the all-to-all dispatcher gathers tokens over the TP group.
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.dispatch_postprocess",
+     "global_input_tokens, group=self.tp_group"),
     ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
      "if te_general_gemm is not None and router_dtype != torch.float64:"),
     # Every torch DCP reader of megatron's load path comes from _get_filesystem_reader.
@@ -178,14 +181,30 @@ def _moe_dispatcher_sync_cpu(self, point, tokens_per_expert=None):
 
 
 def _moe_layer_forward_cpu(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-    # MoELayer.forward refuses to train under TP without sequence parallelism, a performance
-    # guard, and torch norms (no TE) refuse sequence parallelism. The guard is the only reader of
-    # the MoE layer's own `training` flag (its router and experts keep theirs).
+    # MoELayer.forward refuses to train under TP without sequence parallelism, and torch norms (no
+    # TE) refuse sequence parallelism. Its outputs and input gradients are right without it; the
+    # experts' weight gradients come out TP-fold, which the trainer undoes (tp_fold_expert_params).
+    # The guard is the only reader of the MoE layer's own `training` flag (its router and experts keep theirs).
     training, self.training = self.training, False
     try:
         return _MOE_LAYER_FORWARD(self, hidden_states, intermediate_tensors, padding_mask=padding_mask)
     finally:
         self.training = training
+
+
+def tp_fold_expert_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The expert weights whose gradients come out tp_size-fold under TP without sequence
+    parallelism (CPU: see _moe_layer_forward_cpu); the trainer divides their gradients after backward.
+
+    Each TP rank holds every token; the dispatcher gathers the tokens over the TP group as if each
+    held a slice (MoEAlltoAllTokenDispatcher.dispatch_postprocess), so every expert shard sees each
+    token tp_size times and its weight gradient sums tp_size equal copies (the reduce-scatter after
+    the experts makes the outputs and the input gradients right). Measured: squared gradient norms
+    4x TP 1's at TP 2, every other parameter equal.
+    """
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    return [p for chunk in chunks for m in chunk.modules() if isinstance(m, SequentialMLP) for p in m.parameters()]
 
 
 # The functions replaced, as (module, attribute path, replacement): same parameters.

@@ -115,7 +115,11 @@ class TrainerRank:
         from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge, transformer_engine_available
 
         if self.on_cpu:
-            from asyncrl.trainer.megatron_cpu import apply_cpu_patches, seed_cpu_model_parallel_rng
+            from asyncrl.trainer.megatron_cpu import (
+                apply_cpu_patches,
+                seed_cpu_model_parallel_rng,
+                tp_fold_expert_params,
+            )
 
             apply_cpu_patches()
             bind_this_process(t.cpu_cores)
@@ -141,6 +145,9 @@ class TrainerRank:
         self.pack_multiple = self.tp_size if self.sequence_parallel else 1
         self.model = self._wrap_ddp(self._load_model(build_gpt_model, path))
         mc = self.bridge.config
+        self.tp_fold_params = []  # MoE under TP without sequence parallelism (CPU): gradients divided by TP
+        if self.on_cpu and mc.num_moe_experts and self.tp_size > 1 and not self.sequence_parallel:
+            self.tp_fold_params = tp_fold_expert_params(self.model)
         self.router_stats = (moe_routing.RouterStats(self.model, mc.num_layers, mc.num_moe_experts, mc.moe_router_topk)
                              if mc.num_moe_experts else None)
         self.ref_model = None
@@ -286,6 +293,8 @@ class TrainerRank:
         finally:
             if self.router_stats is not None:
                 self.router_stats.enabled = False
+        for param in self.tp_fold_params:
+            param.main_grad.div_(self.tp_size)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
