@@ -627,12 +627,19 @@ class Driver:
         stop their loops, the engines pause (abort: requests return what they generated), the
         workers hand over their unfinished groups, the queue its groups; then all go on."""
         self._on_workers("interrupt")
-        engines = self.live_engines()
-        ray.get([e.pause.remote("abort") for e in engines])
+        paused = []
+        for engine, ref in [(e, e.pause.remote("abort")) for e in self.live_engines()]:
+            try:
+                ray.get(ref)
+                paused.append(engine)
+            except Exception as e:  # died since the last health check: replaced below; its loops went on
+                logger.warning("an engine failed while pausing for a checkpoint: %s", error_line(e))
         pending = [g for groups in self._on_workers("checkpoint") for g in groups]
         queue_state: QueueState = ray.get(self.queue.state.remote())
-        ray.get([e.resume.remote() for e in engines])
+        ray.get([e.resume.remote() for e in paused])
         self._on_workers("resume_interrupted")
+        if len(paused) < len(self.live_engines()):
+            self._check_health()
         return pending, queue_state
 
     def save_checkpoint(self) -> str:
