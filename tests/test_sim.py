@@ -528,7 +528,9 @@ def test_calibrate_measures_both_layouts_into_a_scenario_that_loads(tmp_path, ba
     assert (result["sync_cores_engine"], result["async_cores_engine"], result["async_cores_trainer"]) == (2, 1, 1)
     for mode in ("sync", "async"):  # figures, not their values: this machine runs other tests meanwhile
         (b1, step1), (b64, step64) = result[f"{mode}_decode_points"]
-        assert (b1, b64) == (1, 64) and 0 < step1 < step64  # 64 requests a step cost more than one
+        # Both measured; not their order: one round on a machine running other tests can time a
+        # single request's step above 64 requests' (make test at c36762b: 0.0128 s against 0.0075 s).
+        assert (b1, b64) == (1, 64) and step1 > 0 and step64 > 0
         assert result[f"{mode}_decode_per_seq_s"] >= 0 and result[f"{mode}_train_per_token_s"] >= 0
         assert result[f"{mode}_weight_bytes"] > 0 and len(result[f"{mode}_train_points"]) == 2
     assert result["trained_share"] == 1.0 and 1 <= result["mean_length"] <= 96  # sampled from the base
