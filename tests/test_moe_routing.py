@@ -96,7 +96,11 @@ def run(ray_cluster, moe_model):
             ray.get(engine.load_weights.remote(load_file(f"{moe_model}/model.safetensors"), 2))
             ref = engine.generate.remote(PROMPTS[1], SamplingSpec(max_new_tokens=160, temperature=0.0,
                                                                   ignore_eos=True), f"r3-keep-{attempt}")
-            time.sleep(0.2 * (attempt + 1))
+            # the request is under way once it has streamed a few tokens (of 160): pause then
+            started = ray.get(engine.__ray_call__.remote(lambda e: e.tokens_generated))
+            deadline = time.monotonic() + 60
+            while ray.get(engine.__ray_call__.remote(lambda e: e.tokens_generated)) < started + 4 * (attempt + 1):
+                assert time.monotonic() < deadline, "the keep-mode request streamed no tokens in 60 s"
             ray.get(engine.pause.remote("keep"))
             ray.get(engine.load_weights.remote(flipped_routers(moe_model), 3))
             ray.get(engine.resume.remote())

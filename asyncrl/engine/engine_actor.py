@@ -89,6 +89,7 @@ class EngineActor:
         # Routing replay (R3): each result carries the experts its tokens were routed to.
         self.return_routes = return_routes
         self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
+        self.tokens_generated = 0  # tokens every request has received so far (tests await progress on it)
         self._discarding: set[asyncio.Task] = set()  # pops of cancelled requests' routes
         self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
@@ -227,6 +228,7 @@ class EngineActor:
                 token_ids += new
                 logprobs += [step[tok].logprob for tok, step in zip(new, completion.logprobs or [])]
                 versions += [self.version] * len(new)
+                self.tokens_generated += len(new)
                 if out.finished:
                     # 3) "stop", "length" or "abort"
                     finish_reason = completion.finish_reason or "abort"
