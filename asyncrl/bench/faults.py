@@ -49,13 +49,20 @@ KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
     """The live processes whose environment carries `variable`=tag (every process a run starts
-    inherits its environment)."""
-    found = []
+    inherits its environment), and their descendants: a process title set with setproctitle may
+    overwrite the environment that /proc shows (seen on vLLM's engine core and Ray's agents)."""
+    found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(variable) == tag:
-                found.append(p)
-    return found
+            if p.environ().get(variable) == tag:
+                found[p.pid] = p
+                found.update((c.pid, c) for c in p.children(recursive=True))
+    live = []
+    for p in found.values():
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+    return live
 
 
 def kill_all(tag: str) -> None:
@@ -79,7 +86,11 @@ def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV)
                     p.send_signal(signal.SIGKILL)
                     return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill")
+            seen = []
+            for p in tagged(tag, variable):
+                with contextlib.suppress(psutil.Error):
+                    seen.append(" ".join(p.cmdline())[:60])
+            raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill among {seen}")
         time.sleep(0.5)
 
 
