@@ -17,6 +17,7 @@ by Ray at this edge; nothing below this module imports Ray's actor machinery for
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,20 @@ def engine_concurrency(cfg: Config) -> int:
 
 
 # -- placement ------------------------------------------------------------------------
+
+def start_ray(cfg: Config) -> bool:
+    """Join the cluster of `ray job submit` (or `cluster.address`), or start one of our own even
+    where `ray start` left one running. Returns whether this call started Ray."""
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS", "")
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus or None,
+             include_dashboard=cfg.cluster.dashboard, log_to_driver=True)
+    return True
+
 
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
     """One placement group (PACK): a bundle per engine, trainer rank and rollout worker.

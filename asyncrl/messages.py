@@ -147,8 +147,22 @@ class SyncTimings:
 # -- rollout workers ----------------------------------------------------------------------
 
 @dataclass
+class Admitted:
+    """A rollout worker's answer to `submit` / `restore`: the rows it accepted, and why it refused
+    each of the others (by prompt id)."""
+
+    accepted: int = 0
+    rejected: dict[str, Failure] = field(default_factory=dict)
+
+    @classmethod
+    def merge(cls, answers: list[Admitted]) -> Admitted:
+        return cls(sum(a.accepted for a in answers), {k: f for a in answers for k, f in a.rejected.items()})
+
+
+@dataclass
 class WorkerStats:
-    """What a rollout worker reports: counters, what is running, and every failure by code."""
+    """What a rollout worker reports: counters, what is running, and every failure by code (the
+    rows it refused are answered to `submit` / `restore`, as `Admitted`)."""
 
     worker_id: int = 0
     prompts_submitted: int = 0
@@ -159,7 +173,6 @@ class WorkerStats:
     generated_tokens: int = 0
     running_loops: int = 0
     snapshots: int = 0
-    failed_prompts: dict[str, Failure] = field(default_factory=dict)  # prompt id -> why it was rejected
     failures: dict[str, int] = field(default_factory=dict)  # Failure.code -> count (prompts and trajectories)
     tool_calls: int = 0  # in finished trajectories (their info["tool_calls"])
     tool_errors: dict[str, int] = field(default_factory=dict)  # reason -> calls (their info["tool_errors"])

@@ -20,6 +20,14 @@ from typing import Any
 import numpy as np
 
 
+def staleness(trainer_version: Any, token_version: Any) -> Any:
+    """How many policy versions a token is behind the trainer: the trainer's version minus the
+    version of the policy that generated it (ints, or tensors of token versions). The one
+    definition that admission, the queue's histogram and the trainers' metrics all use;
+    `algorithm.max_staleness` bounds it for every trained token."""
+    return trainer_version - token_version
+
+
 @dataclass
 class SamplingSpec:
     """What an agent loop asks of an engine for one generation request."""

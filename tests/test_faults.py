@@ -89,13 +89,18 @@ def test_a_trainer_rank_that_dies_in_a_sync_is_found_while_the_engines_still_wai
 
 
 def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
-    from asyncrl.driver import Driver, TrainingError
+    from types import SimpleNamespace
+
+    from asyncrl.control.supervisor import Supervisor
+    from asyncrl.driver import TrainingError
     from asyncrl.run_config import load_config
 
-    driver = Driver(load_config(["run.max_worker_restarts=1"]), tmp_path)  # no actor is started
-    driver._count_restart("rollout_worker", 1, "ActorDiedError: killed")
+    pool = SimpleNamespace  # no actor is started: the supervisor only counts here
+    supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]), tmp_path, pool(), pool(), lambda: 3,
+                            lambda: 0)
+    supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed")
     with pytest.raises(TrainingError) as e:
-        driver._count_restart("rollout_worker", 1, "ActorDiedError: killed again")
+        supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed again")
     assert str(e.value) == ("rollout worker failed (ActorDiedError: killed again) after 1 replacement(s): "
                             "run.max_worker_restarts=1 reached")
-    assert driver.restarts == {"rollout_worker": 1}
+    assert supervisor.restarts == {"rollout_worker": 1}

@@ -25,7 +25,7 @@ ACTORS = {
     "asyncrl.rollout": ("asyncrl.agents", *AGENT_LOOPS),
 }
 # Only these know how actors are built and coordinated.
-TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.sync.weight_sync", "asyncrl.evaluation", "asyncrl.evaluate",
+TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.control", "asyncrl.sync.weight_sync", "asyncrl.evaluation", "asyncrl.evaluate",
        "asyncrl.run_config", "asyncrl.train", "asyncrl.serve_env", "asyncrl.cli", "asyncrl.bench")
 
 
@@ -89,5 +89,7 @@ def test_the_checker_sees_a_crossing():
     assert not allowed("asyncrl.engine.engine_actor", "asyncrl.actors")
     assert allowed("asyncrl.rollout.worker", "asyncrl.agents.api")
     assert allowed("asyncrl.driver", "asyncrl.actors")
+    assert allowed("asyncrl.control.engine_pool", "asyncrl.actors")
+    assert not allowed("asyncrl.rollout.worker", "asyncrl.control.worker_pool")
     modules = _code_modules()
     assert "asyncrl.actors" in modules["asyncrl.driver"]

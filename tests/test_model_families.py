@@ -194,9 +194,9 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         t0 = time.monotonic()
         group.setup()
         setup_s = time.monotonic() - t0
-        logits = group.call("forward_logits", TOKEN_IDS) if pp == 1 else None
+        logits = group.on_ranks(lambda r: r.forward_logits.remote(TOKEN_IDS)) if pp == 1 else None
         exported = load_file(f"{group.export_hf(str(out / 'before'))}/model.safetensors")
-        replayed = group.call("routes_used", groups) if arch in MOE_FAMILIES else None
+        replayed = group.on_ranks(lambda r: r.routes_used.remote(groups)) if arch in MOE_FAMILIES else None
         metrics = group.train_step(groups, 0).metrics
         trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
     finally:

@@ -145,9 +145,9 @@ def trainer_views(path, results) -> dict:
     try:
         trainer.setup()
         sequences = [p + r.token_ids for p, r in zip(PROMPTS, results)]
-        return {"logits": trainer.call("forward_logits", sequences),
-                "replayed": trainer.call("routes_used", [group]),
-                "other": trainer.call("routes_used", [other]),
+        return {"logits": trainer.on_ranks(lambda r: r.forward_logits.remote(sequences)),
+                "replayed": trainer.on_ranks(lambda r: r.routes_used.remote([group])),
+                "other": trainer.on_ranks(lambda r: r.routes_used.remote([other])),
                 "metrics": trainer.train_step([group], 0).metrics}
     finally:
         trainer.shutdown()

@@ -46,7 +46,7 @@ def problems(cfg):
 def run_worker(cfg, engines, problems, agents=None, n=4, before_drain=None):
     async def go():
         worker = RolloutWorker(0, cfg, engines, agents=agents)
-        accepted = await worker.submit(problems, n=n)
+        accepted = (await worker.submit(problems, n=n)).accepted
         if before_drain:
             await before_drain(worker)
         await worker.drain()
@@ -83,14 +83,20 @@ def test_bad_rows_are_rejected_with_counted_reasons(cfg, engines, problems):
         Problem("bad/loop", good.task, good.question, good.prompt, good.answer, good.entry, agent_loop="nope"),
         good,
     ]
-    worker, accepted = run_worker(cfg, engines, rows, n=2)
-    assert accepted == 1 and len(worker.take_groups()) == 1
+    async def go():
+        worker = RolloutWorker(0, cfg, engines)
+        answer = await worker.submit(rows, n=2)
+        await worker.drain()
+        return worker, answer
+
+    worker, answer = asyncio.run(go())
+    assert answer.accepted == 1 and len(worker.take_groups()) == 1
+    assert answer.rejected["bad/empty"] == Failure("empty_prompt")
+    assert answer.rejected["bad/long"].code == "prompt_too_long"
+    assert answer.rejected["bad/long"].detail.startswith("400 tokens")
+    assert answer.rejected["bad/loop"].code == "unknown_agent_loop"
+    assert answer.rejected["bad/loop"].detail.startswith("unknown agent loop 'nope'")
     stats = worker.get_stats()
-    assert stats.failed_prompts["bad/empty"] == Failure("empty_prompt")
-    assert stats.failed_prompts["bad/long"].code == "prompt_too_long"
-    assert stats.failed_prompts["bad/long"].detail.startswith("400 tokens")
-    assert stats.failed_prompts["bad/loop"].code == "unknown_agent_loop"
-    assert stats.failed_prompts["bad/loop"].detail.startswith("unknown agent loop 'nope'")
     assert stats.failures == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1}
 
 
@@ -183,7 +189,7 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
         second = RolloutWorker(1, cfg, engines, sampling=greedy)
         restored = [PendingGroupState.from_dict(d) for d in saved]
         by_id = {p.prompt_id: p for p in few}
-        assert await second.restore(restored, [by_id[s.prompt_id] for s in restored]) == len(few)
+        assert (await second.restore(restored, [by_id[s.prompt_id] for s in restored])).accepted == len(few)
         await second.drain()
         return states, second.take_groups()
 

@@ -19,7 +19,7 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import agent_params, build_agents
 from asyncrl.agents.remote import RemoteAgent
 from asyncrl.config.schema import AgentConfig
-from asyncrl.driver import tool_call_validity
+from asyncrl.control.step_metrics import tool_call_validity
 from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
 from asyncrl.rollout.worker import RolloutWorker
@@ -113,7 +113,7 @@ def test_groups_of_n_go_to_the_sink_scored_by_the_task_scorer(cfg, problems):
     assert isinstance(stats, WorkerStats)
     assert (stats.prompts_submitted, stats.groups_emitted, stats.trajectories_finished) == (4, 4, 12)
     assert stats.generated_tokens == sum(t.num_response_tokens for g in sink.groups for t in g.trajectories)
-    assert (stats.running_loops, stats.snapshots, stats.failures, stats.failed_prompts) == (0, 0, {}, {})
+    assert (stats.running_loops, stats.snapshots, stats.failures) == (0, 0, {})
     assert worker.pending_prompts() == []
 
 
@@ -124,7 +124,7 @@ def test_pending_prompts_and_the_loop_limit(cfg, problems):
         worker, holder = make_worker(two)
         release = asyncio.Event()
         holder.engine = engine = answering(worker, problems, hold=release)
-        assert await worker.submit(problems[:2], n=2) == 2
+        assert (await worker.submit(problems[:2], n=2)).accepted == 2
         await engine.wait_for_requests(2)
         await asyncio.sleep(0.01)
         assert len(engine.requests) == 2  # rollout.max_concurrent_loops: the other two wait for a slot
@@ -151,19 +151,21 @@ def test_bad_rows_are_rejected_with_failure_codes(cfg, problems):
     async def scenario():
         worker, holder = make_worker(cfg)
         holder.engine = answering(worker, [good])
-        assert await worker.submit(rows, n=2) == 1
+        answer = await worker.submit(rows, n=2)
+        assert answer.accepted == 1
         assert worker.pending_prompts() == [good.prompt_id]
         await worker.drain()
-        return worker
+        return worker, answer.rejected
 
-    worker = asyncio.run(scenario())
+    worker, rejected = asyncio.run(scenario())
     assert [g.prompt_id for g in worker.take_groups()] == [good.prompt_id]
+    assert rejected["bad/empty"] == Failure("empty_prompt")
+    assert rejected["bad/long"] == Failure("prompt_too_long", "400 tokens, engine.max_model_len=128")
+    assert rejected["bad/loop"].code == "unknown_agent_loop"
+    assert rejected["bad/loop"].detail.startswith("unknown agent loop 'nope'")
+    assert rejected["bad/env"] == Failure("unknown_env", "unknown env_id 'nope'; this run has arith")
+    assert len(rejected) == 4
     stats = worker.get_stats()
-    assert stats.failed_prompts["bad/empty"] == Failure("empty_prompt")
-    assert stats.failed_prompts["bad/long"] == Failure("prompt_too_long", "400 tokens, engine.max_model_len=128")
-    assert stats.failed_prompts["bad/loop"].code == "unknown_agent_loop"
-    assert stats.failed_prompts["bad/loop"].detail.startswith("unknown agent loop 'nope'")
-    assert stats.failed_prompts["bad/env"] == Failure("unknown_env", "unknown env_id 'nope'; this run has arith")
     assert stats.failures == {"empty_prompt": 1, "prompt_too_long": 1, "unknown_agent_loop": 1, "unknown_env": 1}
     assert stats.prompts_submitted == 5 and stats.groups_emitted == 1
 
@@ -351,7 +353,7 @@ def test_a_checkpoint_holds_each_unfinished_group_and_another_worker_continues_i
         second, holder2 = make_worker(cfg, sink=Sink())
         holder2.engine = ScriptedInference(lambda request: Reply(f": {problem.answer}"), second.tokenizer)
         restored = [PendingGroupState.from_dict(d) for d in saved]
-        assert await second.restore(restored, [problem]) == 1
+        assert (await second.restore(restored, [problem])).accepted == 1
         await second.drain()
         return states, second, holder2.engine
 

@@ -66,7 +66,7 @@ def trainer(ray_cluster, base_model):
     group = create_trainer(load_config([]), rank_class=CheckpointProbeRank)
     try:
         group.setup()
-        group.call("set_env", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+        group.on_ranks(lambda r: r.set_env.remote("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1"))
         yield group
     finally:
         group.shutdown()
@@ -79,7 +79,7 @@ def honest(trainer, base_model, tmp_path_factory) -> dict:
     trainer.train_step(make_groups(AutoTokenizer.from_pretrained(base_model), seed=0), 0)
     path = Path(trainer.save_checkpoint(str(root / "step_000001")))
     weights = load_file(f"{trainer.export_hf(str(root / 'hf'))}/model.safetensors")
-    return {"path": path, "weights": weights, "scheduler": trainer.call("scheduler_state")}
+    return {"path": path, "weights": weights, "scheduler": trainer.on_ranks(lambda r: r.scheduler_state.remote())}
 
 
 @pytest.fixture
@@ -217,7 +217,7 @@ def test_honest_checkpoint_loads_exactly(trainer, honest, tmp_path):
     assert state == {"format": 1, "step": 1, "scheduler": honest["scheduler"]}
     # megatron's scheduler.load_state_dict adds the saved step count to its own, and this trainer
     # has trained one step (asyncrl loads checkpoints only into fresh trainers).
-    assert trainer.call("scheduler_state") == {**honest["scheduler"], "num_steps": 2}
+    assert trainer.on_ranks(lambda r: r.scheduler_state.remote()) == {**honest["scheduler"], "num_steps": 2}
 
 
 # -- the parsers, without a trainer -------------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.clock import Clock
 from asyncrl.config.schema import EngineConfig, SimEngineConfig
-from asyncrl.driver import control_plane_metrics
+from asyncrl.control.step_metrics import control_plane_metrics
 from asyncrl.engine.sim_engine import DecodeModel, LengthModel, SimEngine
 from asyncrl.run_config import load_config
 from asyncrl.trainer.batch import TrainSample

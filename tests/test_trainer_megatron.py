@@ -41,7 +41,7 @@ def test_export_without_training_is_the_hf_checkpoint_and_logits_match(ray_clust
     ids = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 200, 300, 400, 5, 6, 7, 8]]
 
     def check(group):
-        logits = group.call("forward_logits", ids)
+        logits = group.on_ranks(lambda r: r.forward_logits.remote(ids))
         with torch.no_grad():
             ref = hf_model(torch.tensor(ids)).logits
         assert logits.shape == ref.shape
@@ -132,7 +132,8 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_mode
             n0 = len(t.prompt_token_ids)
             t.segments[0].logprobs = [lp[n0 - 1 + j, x].item() - 0.1 * (j % 3) for j, x in
                                       enumerate(t.response_token_ids)]
-    grad = run_trainer(["trainer.micro_batch_size=5"], lambda group: group.call("embedding_grad", groups))
+    grad = run_trainer(["trainer.micro_batch_size=5"],
+                       lambda group: group.on_ranks(lambda r: r.embedding_grad.remote(groups)))
     samples = build_samples(groups, load_config([]).algorithm.loss).samples
     assign_weights(samples, "token")
     hf.zero_grad()

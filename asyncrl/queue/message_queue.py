@@ -16,7 +16,7 @@ import collections
 import time
 
 from asyncrl.messages import QueueState, QueueStats
-from asyncrl.types import TrajectoryGroup
+from asyncrl.types import TrajectoryGroup, staleness
 
 
 class MessageQueue:
@@ -60,7 +60,7 @@ class MessageQueue:
         for g in groups:
             oldest = g.oldest_version()
             if oldest is not None:
-                self.staleness_histogram[current_version - oldest] += 1
+                self.staleness_histogram[staleness(current_version, oldest)] += 1
         return groups
 
     def size(self) -> int:

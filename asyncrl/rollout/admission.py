@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from asyncrl.types import TrajectoryGroup
+from asyncrl.types import TrajectoryGroup, staleness
 
 STATES = ("running", "trained", "filtered", "failed")
 
@@ -50,7 +50,7 @@ class StalenessController:
     def is_fresh(self, group: TrajectoryGroup, version: int) -> bool:
         """True when no trained token of the group is more than eta versions behind `version`."""
         oldest = group.oldest_version()
-        return oldest is None or version - oldest <= self.max_staleness
+        return oldest is None or staleness(version, oldest) <= self.max_staleness
 
 
 @dataclass

@@ -48,7 +48,7 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import InferenceInterface
-from asyncrl.messages import Failure, PendingGroupState, WorkerStats
+from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
@@ -108,17 +108,18 @@ class RolloutWorker:
 
     # -- driver-facing API -----------------------------------------------------------
 
-    async def submit(self, problems: list[Problem], n: int | None = None) -> int:
-        """Start n samples of each problem (default: algorithm.n_samples_per_prompt).
-        Returns how many problems were accepted; rejected rows are counted in stats."""
+    async def submit(self, problems: list[Problem], n: int | None = None) -> Admitted:
+        """Start n samples of each problem (default: algorithm.n_samples_per_prompt). Answers
+        how many problems were accepted and why each other one was refused (also counted)."""
         n = n or self.cfg.algorithm.n_samples_per_prompt
-        accepted = 0
+        answer = Admitted()
         for problem in problems:
             self.stats.prompts_submitted += 1
             group = self._admit(problem, n)  # 1)
-            if group is None:
+            if isinstance(group, Failure):
+                answer.rejected[problem.prompt_id] = group
                 continue
-            accepted += 1
+            answer.accepted += 1
             self._pending[group.group_id] = group
             if group.agent.remote:
                 self._spawn_remote(group, n)
@@ -127,7 +128,7 @@ class RolloutWorker:
                 start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
                                    env_id=group.agent.env_id, timings={"submitted": time.time()})
                 self._spawn(group, i, start)
-        return accepted
+        return answer
 
     async def interrupt(self) -> None:
         """Ask every loop to stop at its next state transition (running tool calls finish)."""
@@ -163,17 +164,18 @@ class RolloutWorker:
         return [PendingGroupState(g.group_id, g.problem.prompt_id, list(g.trajectories), snapshots[g.group_id])
                 for g in self._pending.values() if not g.agent.remote]
 
-    async def restore(self, groups: list[PendingGroupState], problems: list[Problem]) -> int:
+    async def restore(self, groups: list[PendingGroupState], problems: list[Problem]) -> Admitted:
         """Continue groups a checkpoint holds (`problems[i]` is `groups[i]`'s problem): finished
         samples are kept, each snapshot resumes where it stopped (a sample with neither starts
-        from its prompt). Returns how many groups were accepted (a row refused now is counted as
-        at submit)."""
-        accepted = 0
+        from its prompt). Answers as `submit` (a row refused now, e.g. by a smaller context, is
+        refused as at submit)."""
+        answer = Admitted()
         for state, problem in zip(groups, problems, strict=True):
             group = self._admit(problem, len(state.trajectories))
-            if group is None:
+            if isinstance(group, Failure):
+                answer.rejected[problem.prompt_id] = group
                 continue
-            accepted += 1
+            answer.accepted += 1
             group.group_id, group.trajectories = state.group_id, list(state.trajectories)
             self._pending[group.group_id] = group
             for i, done in enumerate(group.trajectories):
@@ -186,7 +188,10 @@ class RolloutWorker:
                     start = Trajectory(problem.prompt_id, group.group_id, list(group.prompt_token_ids),
                                        env_id=group.agent.env_id, timings={"submitted": time.time()})
                 self._spawn(group, i, start)
-        return accepted
+        return answer
+
+    def health(self) -> None:
+        """Answers while the worker's event loop runs (the driver's health check)."""
 
     def replace_engine(self, index: int, engine: Any) -> None:
         """Route to `engine`, a replacement for the engine at `index` (which failed)."""
@@ -222,7 +227,7 @@ class RolloutWorker:
         return replace(self.stats, running_loops=len(self._tasks), snapshots=len(self._snapshots),
                        pending_tokens=sum(g.generated_tokens() for g in self._pending_states()),
                        engine_failovers=self.router.failovers if self.router else 0,
-                       failed_prompts=dict(self.stats.failed_prompts), failures=dict(self.stats.failures),
+                       failures=dict(self.stats.failures),
                        tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [],
                        cpu_s=time.process_time())
@@ -232,8 +237,8 @@ class RolloutWorker:
 
     # -- one problem, one sample -------------------------------------------------------
 
-    def _admit(self, problem: Problem, n: int) -> _PendingGroup | None:
-        """The row's pending group, or None with a counted reason."""
+    def _admit(self, problem: Problem, n: int) -> _PendingGroup | Failure:
+        """The row's pending group, or why it is refused (counted)."""
         failure, agent, ids = None, None, []
         try:
             agent = self.agents.agent_for(problem)
@@ -249,10 +254,9 @@ class RolloutWorker:
             failure = Failure("prompt_too_long",
                               f"{len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len}")
         if failure is not None:
-            self.stats.failed_prompts[problem.prompt_id] = failure
             self._count(failure)
             logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, failure)
-            return None
+            return failure
         group_id = f"{problem.prompt_id}@w{self.worker_id}.{next(self._group_counter)}"
         return _PendingGroup(group_id, problem, agent, ids, [None] * n)
 

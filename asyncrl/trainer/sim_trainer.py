@@ -24,6 +24,7 @@ from asyncrl.config.schema import Config
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.trainer.batch import TrainSample, build_samples
 from asyncrl.trainer.policy_lag import PolicyLag
+from asyncrl.types import staleness
 
 
 def forward_passes(cfg: Config) -> int:
@@ -35,7 +36,7 @@ def forward_passes(cfg: Config) -> int:
 
 def staleness_metrics(samples: list[TrainSample], policy_version: int, max_staleness: int) -> dict[str, float]:
     """The real trainer's staleness metrics over these samples' trained tokens."""
-    ages = [policy_version - v for s in samples for v, m in zip(s.versions, s.mask) if m]
+    ages = [staleness(policy_version, v) for s in samples for v, m in zip(s.versions, s.mask) if m]
     count = collections.Counter(ages)
     n = max(1, len(ages))
     out = {"train/staleness_mean": sum(ages) / n, "train/staleness_max": float(max(ages, default=0))}

@@ -11,6 +11,7 @@ rank while another rank is dead (its collective failed because of the dead one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -33,8 +34,10 @@ class TrainerGroup:
         self.ranks = ranks  # Ray handles of TrainerRank actors, rank 0 first
         self.world_size = len(ranks)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return self.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+    def on_ranks(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
+        """`call(rank)` on every rank (e.g. `lambda r: r.train_step.remote(groups, v)`); rank 0's
+        answer. Tests and benchmarks call the methods a TrainerRank subclass adds this way."""
+        return self.get([call(r) for r in self.ranks])[0]
 
     def get(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """The ranks' answers to one call (`refs[i]` is rank i's); `TrainerRankDied` as soon as one
@@ -66,7 +69,7 @@ class TrainerGroup:
         return self.get([r.setup.remote(host, port) for r in self.ranks])[0]
 
     def train_step(self, groups: list[TrajectoryGroup], policy_version: int) -> TrainStepResult:
-        return self._call("train_step", groups, policy_version)
+        return self.on_ranks(lambda r: r.train_step.remote(groups, policy_version))
 
     # -- weights out ---------------------------------------------------------------------
 
@@ -80,33 +83,29 @@ class TrainerGroup:
 
     def weight_plan(self) -> list:
         """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""
-        return self._call("weight_plan")
+        return self.on_ranks(lambda r: r.weight_plan.remote())
 
     def init_weight_group_async(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
         return [r.init_weight_group.remote(host, port, world_size, backend) for r in self.ranks]
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
-        return self._call("stage_weights", version, newest)
+        return self.on_ranks(lambda r: r.stage_weights.remote(version, newest))
 
     def broadcast_weights_async(self) -> list[ray.ObjectRef]:
         return [r.broadcast_weights.remote() for r in self.ranks]
 
     def export_hf(self, out_dir: str) -> str:
-        return self._call("export_hf", out_dir)
+        return self.on_ranks(lambda r: r.export_hf.remote(out_dir))
 
     # -- checkpoints -------------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> str:
         """Model, optimizer and scheduler state (a megatron distributed checkpoint) into `path`."""
-        return self._call("save_checkpoint", path)
+        return self.on_ranks(lambda r: r.save_checkpoint.remote(path))
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> int:
         """The state `save_checkpoint` wrote; returns the trainer's step."""
-        return self._call("load_checkpoint", path, load_optimizer)
-
-    def call(self, method: str, *args: Any) -> Any:
-        """A method the ranks' class adds (a TrainerRank subclass: test probes, benchmark baselines)."""
-        return self._call(method, *args)
+        return self.on_ranks(lambda r: r.load_checkpoint.remote(path, load_optimizer))
 
     def shutdown(self) -> None:
         try:

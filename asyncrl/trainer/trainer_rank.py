@@ -61,6 +61,7 @@ from asyncrl.trainer.batch import (
 )
 from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import read_trainer_state, write_trainer_state
+from asyncrl.types import staleness
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class TrainerRank:
                     maxima[name] = max(maxima.get(name, v), v)
             for b in batches:
                 trained = b.mask > 0
-                stale = (policy_version - b.versions[trained]).float()
+                stale = staleness(policy_version, b.versions[trained]).float()
                 stats["staleness"] = stats.get("staleness", 0.0) + float(stale.sum())
                 maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
                 for s in range(self.cfg.algorithm.max_staleness + 1):  # the same names on every rank

@@ -1,0 +1,117 @@
+"""The supervisor: health checks of the engines and rollout workers, their replacement within the
+run's restart limits, and the record of every fault (invariant 6).
+
+A dead engine is replaced in its bundle while the run goes on (its loops already moved to the
+live engines); it joins a new broadcast group once started and the workers' routing once a
+sync gave it the policy. A dead rollout worker is replaced and every prompt it held starts
+again from its prompt (`restart_lost_prompts`, the driver's: it knows the ledger). A dead
+trainer rank is the driver's to handle (the whole run goes back to a checkpoint); it counts
+and records that fault here too. Each fault is a `FaultEvent`: logged, counted in the
+metrics, appended to RUN_DIR/faults.jsonl and listed in summary.json; past
+`run.max_*_restarts` the run stops with one line saying why.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from asyncrl.config.schema import Config
+from asyncrl.control import TrainingError
+from asyncrl.control.engine_pool import EnginePool
+from asyncrl.control.worker_pool import WorkerPool
+from asyncrl.messages import FaultEvent, error_line
+
+logger = logging.getLogger(__name__)
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, run_dir: Path, engines: EnginePool, workers: WorkerPool,
+                 step: Callable[[], int], restart_lost_prompts: Callable[[], int]):
+        self.cfg, self.run_dir, self.engines, self.workers = cfg, Path(run_dir), engines, workers
+        self.step = step  # the run's current step, for the events
+        self.restart_lost_prompts = restart_lost_prompts  # -> prompts restarted
+        self.restarts: collections.Counter[str] = collections.Counter()  # kind -> replacements so far
+        self.faults: list[FaultEvent] = []
+        engines.on_dead = workers.on_dead = self.check_health
+
+    def check_health(self) -> bool:
+        """Ask every engine and rollout worker whether it is alive (a hung one does not answer
+        within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
+        timeout = self.cfg.run.health_timeout_s
+        self.poll_starting()
+        probes = [("engine", i, ref) for i, ref in self.engines.health_probes()]
+        probes += [("rollout_worker", i, ref) for i, ref in enumerate(self.workers.health_probes())]
+        ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
+        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}}
+        for kind, i, ref in probes:
+            if ref not in ready:
+                dead[kind][i] = f"no answer to a health check within {timeout:g}s (run.health_timeout_s)"
+                continue
+            try:
+                ray.get(ref)
+            except Exception as e:
+                dead[kind][i] = error_line(e)
+        if dead["engine"]:
+            self.replace_engines(dead["engine"])
+        for i, why in dead["rollout_worker"].items():
+            self._replace_worker(i, why)
+        return bool(dead["engine"] or dead["rollout_worker"])
+
+    def replace_engines(self, why: dict[int, str]) -> None:
+        """Replace the engines of these slots and form a new broadcast group without them; with no
+        live engine left, wait for a replacement (nothing can generate)."""
+        for i, reason in why.items():
+            self.count_restart("engine", self.cfg.run.max_engine_restarts, reason)
+            logger.warning("engine-%d failed: %s; starting a replacement", i, reason)
+            self.engines.replace(i, FaultEvent("engine", f"engine-{i}", self.step(), reason), self.restarts["engine"])
+        self.engines.reform_group()
+        if not self.engines.live():
+            self.poll_starting(block=True)
+
+    def poll_starting(self, block: bool = False) -> None:
+        """Take in the replacement engines that have started (with `block`, wait for one)."""
+        for event in self.engines.poll_starting(block):
+            self.record(event)
+
+    def _replace_worker(self, i: int, why: str) -> None:
+        """A new worker in the dead one's bundle; every prompt the dead one held starts again."""
+        self.count_restart("rollout_worker", self.cfg.run.max_worker_restarts, why)
+        event = FaultEvent("rollout_worker", f"rollout-worker-{i}", self.step(), why)
+        logger.warning("rollout-worker-%d failed: %s; starting a replacement", i, why)
+        t0 = time.monotonic()
+        last = self.workers.replace(i, self.engines.routed, restart=self.restarts["rollout_worker"])
+        if last is not None:
+            event.tokens_lost = last.pending_tokens
+        t1 = time.monotonic()
+        event.prompts_restarted = self.restart_lost_prompts()
+        event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
+        self.record(event)
+
+    def count_restart(self, kind: str, limit: int, why: str) -> None:
+        """Count one more replacement of `kind`, or stop the run past `limit`."""
+        if self.restarts[kind] >= limit:
+            raise TrainingError(f"{kind.replace('_', ' ')} failed ({why}) after {self.restarts[kind]} "
+                                f"replacement(s): run.max_{'worker' if kind == 'rollout_worker' else kind}_restarts"
+                                f"={limit} reached")
+        self.restarts[kind] += 1
+
+    def record(self, event: FaultEvent) -> None:
+        """Log the event, count it, and append it to RUN_DIR/faults.jsonl (kept across resumes)."""
+        self.faults.append(event)
+        with open(self.run_dir / "faults.jsonl", "a") as f:
+            f.write(json.dumps(event.to_dict()) + "\n")
+        logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
+                       {k: round(v, 2) for k, v in event.phases_s.items()})
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {f"faults/{kind}": n for kind, n in self.restarts.items()}
+        if self.faults:
+            out["faults/last_recovery_s"] = self.faults[-1].recovery_s
+        return out

@@ -1,0 +1,119 @@
+"""The rollout workers of a run, called as one by typed methods.
+
+Every call goes to all workers (`submit` and `restore` deal their rows out round-robin). A
+worker found dead during a call is handed to `on_dead` (the supervisor's health check, which
+replaces it) and the call is made again on its replacement. Stats are fetched once a step
+(`stats`); the last report of a replaced worker is kept, so the run's totals go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from asyncrl import actors
+from asyncrl.config.schema import Config
+from asyncrl.messages import Admitted, PendingGroupState, WorkerStats
+from asyncrl.tasks import Problem
+
+
+class WorkerPool:
+    def __init__(self, cfg: Config, queue: Any, engines: list, slots: list | None, restart: int = 0):
+        """Start `rollout.num_workers` workers routing to `engines`, emitting to `queue`, in
+        `slots` (their placement-group bundles)."""
+        self.cfg, self.queue, self.slots = cfg, queue, slots
+        self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart)
+        self.last_stats: dict[int, WorkerStats] = {}  # each live worker's latest report
+        self.retired_stats: list[WorkerStats] = []  # the last reports of replaced workers
+        self.on_dead: Callable[[], object] = lambda: None
+
+    def _each(self, call: Callable[..., ray.ObjectRef], per_worker: list[tuple] | None = None) -> list:
+        """`call(worker, *per_worker[i])` on every worker, their answers in order."""
+        args = per_worker or [()] * len(self.handles)
+        refs = [call(w, *a) for w, a in zip(self.handles, args)]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                self.on_dead()
+                out.append(ray.get(call(self.handles[i], *args[i])))
+        return out
+
+    def _deal(self, items: list, *also: list) -> list[tuple]:
+        """Each worker's share of `items` (and the same share of each list in `also`), round-robin."""
+        n = len(self.handles)
+        return [(items[k::n], *(x[k::n] for x in also)) for k in range(n)]
+
+    # -- the rollout workers' API, on all of them --------------------------------------
+
+    def submit(self, problems: list[Problem]) -> Admitted:
+        return Admitted.merge(self._each(lambda w, ps: w.submit.remote(ps), self._deal(problems)))
+
+    def restore(self, pending: list[PendingGroupState], problems: list[Problem]) -> Admitted:
+        """Continue checkpointed groups (`problems[i]` is `pending[i]`'s)."""
+        return Admitted.merge(self._each(lambda w, gs, ps: w.restore.remote(gs, ps), self._deal(pending, problems)))
+
+    def interrupt(self) -> None:
+        self._each(lambda w: w.interrupt.remote())
+
+    def drain(self) -> None:
+        self._each(lambda w: w.drain.remote())
+
+    def resume_interrupted(self) -> int:
+        """Loops resumed."""
+        return sum(self._each(lambda w: w.resume_interrupted.remote()))
+
+    def checkpoint(self) -> list[PendingGroupState]:
+        return [g for groups in self._each(lambda w: w.checkpoint.remote()) for g in groups]
+
+    def pending_prompts(self) -> set[str]:
+        return {p for ps in self._each(lambda w: w.pending_prompts.remote()) for p in ps}
+
+    def route(self, index: int, engine: Any) -> None:
+        """Every worker routes to `engine` in engine slot `index`."""
+        self._each(lambda w: w.replace_engine.remote(index, engine))
+
+    def stats(self) -> list[WorkerStats]:
+        """Every live worker's report, then the last reports of the workers they replaced."""
+        stats = self._each(lambda w: w.get_stats.remote())
+        self.last_stats = dict(enumerate(stats))
+        return stats + self.retired_stats
+
+    def health_probes(self) -> list[ray.ObjectRef]:
+        return [w.health.remote() for w in self.handles]
+
+    # -- replacing ---------------------------------------------------------------------
+
+    def replace(self, i: int, engines: list, restart: int) -> WorkerStats | None:
+        """A new worker in worker `i`'s bundle (the old one killed); returns the old one's last report."""
+        kill(self.handles[i])
+        last = self.last_stats.pop(i, None)
+        if last is not None:
+            self.retired_stats.append(last)
+        self.handles[i] = actors.create_rollout_worker(self.cfg, i, engines, self.queue, actors.slot(self.slots, i),
+                                                       restart=restart)
+        ray.get(self.handles[i].health.remote())  # constructed
+        return last
+
+    def restart_all(self, queue: Any, engines: list, restart: int) -> None:
+        """New workers for all (the old ones killed), emitting to a new `queue`."""
+        for w in self.handles:
+            kill(w)
+        self.retired_stats += list(self.last_stats.values())
+        self.last_stats.clear()
+        self.queue = queue
+        self.handles = actors.create_rollout_workers(self.cfg, engines, queue, self.slots, restart=restart)
+
+    def kill(self) -> None:
+        for w in self.handles:
+            kill(w)
+
+
+def kill(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass
