@@ -85,10 +85,10 @@ def queue_capacity(cfg: Config) -> int:
     return (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
 
 
-def engine_concurrency(cfg: Config) -> int:
-    """The most requests one engine can be running: what the workers' loops can send it, at most
-    its own batch (the denominator of the engines' utilization)."""
-    sent = -(-cfg.rollout.num_workers * cfg.rollout.max_concurrent_loops // cfg.engine.num_engines)
+def engine_concurrency(cfg: Config, engines: int | None = None) -> int:
+    """The most requests one of `engines` (default engine.num_engines) engines can be running: what
+    the workers' loops can send it, at most its own batch (the denominator of the engines' utilization)."""
+    sent = -(-cfg.rollout.num_workers * cfg.rollout.max_concurrent_loops // (engines or cfg.engine.num_engines))
     batch = cfg.engine.max_num_seqs * (cfg.engine.sim.replicas if cfg.engine.backend == "sim" else 1)
     return max(1, min(batch, sent))
 
@@ -109,6 +109,12 @@ def start_ray(cfg: Config) -> bool:
     return True
 
 
+def engine_resources(cfg: Config) -> dict[str, float]:
+    """One engine's placement-group bundle."""
+    return {"CPU": cfg.engine.num_cpus_per_engine, **cfg.engine.resources,
+            **({"GPU": cfg.engine.tensor_parallel_size} if cfg.cluster.device == "cuda" else {})}
+
+
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
     """One placement group (PACK): a bundle per engine, trainer rank and rollout worker.
     Raises PlacementError when the cluster lacks the resources, naming what to lower."""
@@ -117,8 +123,7 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
 
     gpu = cfg.cluster.device == "cuda"
     t = cfg.trainer
-    roles = ([("engine", {"CPU": cfg.engine.num_cpus_per_engine, **cfg.engine.resources,
-                          **({"GPU": cfg.engine.tensor_parallel_size} if gpu else {})})] * cfg.engine.num_engines
+    roles = ([("engine", engine_resources(cfg))] * cfg.engine.num_engines
              + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **({"GPU": 1} if gpu else {})})]
              * trainer_world_size(cfg)
              + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
@@ -145,6 +150,25 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
         slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement
+
+
+def engine_bundle(cfg: Config) -> tuple[Options, Any]:
+    """A placement group of its own for one engine added to a running job: its actor options and
+    the group (`remove_bundle`). Not waited for: the engine starts once the cluster has room
+    (with Ray's autoscaler, possibly on a new node)."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = engine_resources(cfg)
+    pg = placement_group([bundle], strategy="PACK")
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                    placement_group_bundle_index=0)}, pg
+
+
+def remove_bundle(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
 
 
 def remove_placement(placement: Placement) -> None:

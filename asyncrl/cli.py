@@ -3,6 +3,7 @@
     asyncrl train recipe=arith [key=value ...]    # python -m asyncrl.train ...
     asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
     asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
+    asyncrl scale RUN_DIR --engines N             # grow or shrink a running job's engines
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
     asyncrl simulate SCENARIO [key=value ...]     # asyncrl bench simulate recipe=SCENARIO ...
     asyncrl calibrate RECIPE [key=value ...]      # asyncrl bench calibrate recipe=RECIPE ...
@@ -22,6 +23,7 @@ COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy: `asyncrl eval [CHECKPOINT] recipe=...`"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
+    "scale": ("asyncrl.control.elastic", "grow or shrink a running job's engines: `asyncrl scale RUN_DIR --engines N`"),
     "serve-env": ("asyncrl.serve_env", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
     "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async | ...`"),
     "simulate": ("asyncrl.bench.main", "a scenario on simulated backends: `asyncrl simulate sim_math7b_128gpu`"),

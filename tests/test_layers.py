@@ -25,8 +25,8 @@ ACTORS = {
     "asyncrl.rollout": ("asyncrl.agents", *AGENT_LOOPS),
 }
 # Only these know how actors are built and coordinated.
-TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.control", "asyncrl.sync.weight_sync", "asyncrl.evaluation", "asyncrl.evaluate",
-       "asyncrl.run_config", "asyncrl.train", "asyncrl.serve_env", "asyncrl.cli", "asyncrl.bench")
+TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.control", "asyncrl.sync.weight_sync", "asyncrl.evaluation",
+       "asyncrl.evaluate", "asyncrl.run_config", "asyncrl.train", "asyncrl.serve_env", "asyncrl.cli", "asyncrl.bench")
 
 
 def _module_name(path: Path) -> str:

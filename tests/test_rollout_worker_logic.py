@@ -344,10 +344,17 @@ def test_a_checkpoint_holds_each_unfinished_group_and_another_worker_continues_i
         holder.engine = ScriptedInference(reply, first.tokenizer)
         await first.submit([problem], n=4)
         await holder.engine.wait_for_requests(4)
+        while first.get_stats().trajectories_finished < 1:  # the first sample's reward is scored in a thread
+            await asyncio.sleep(0.01)
+        # a mirror while loops run (keep mode's, at a sync) holds the finished sample only
+        (running,) = await first.mirror()
+        assert sum(t is not None for t in running.trajectories) == 1 and running.snapshots == {}
         await first.interrupt()
         sync.set()  # the engines pause in abort mode
         states = await first.checkpoint()
         assert first.get_stats().pending_tokens == states[0].generated_tokens() > 0
+        # interrupted (abort mode's sync), the mirror is what a checkpoint holds
+        assert [g.to_dict() for g in await first.mirror()] == [g.to_dict() for g in states]
         saved = json.loads(json.dumps([s.to_dict() for s in states]))
 
         second, holder2 = make_worker(cfg, sink=Sink())

@@ -85,22 +85,34 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
     return summary
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_trains_end_to_end_and_keeps_the_invariants(mode, tmp_path):
+def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_path):
+    """The tool_loop mode's run, and the real stack's elastic engines: `asyncrl bench elastic` runs
+    it with one engine and, through `asyncrl scale`, asks it for two after step 1 and for one
+    after step 3 (the removed engine's requests aborted, their loops continued on the other)."""
+    out = run_cli("bench", "elastic", "recipe=arith_tool", *verl_data(tmp_path),
+                  *[s for s in TINY_SETTINGS if not s.startswith("trainer.total_steps=")], *MODES["tool_loop"],
+                  "trainer.total_steps=5", "engine.num_engines=1", "engine.num_cpus_per_engine=0.5",
+                  "bench.engine_schedule=[[1,2],[3,1]]", f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
+    log = (tmp_path / "train.log").read_text() if (tmp_path / "train.log").exists() else ""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:] + log[-6000:]
+    assert "base accuracy" in log and "-> final accuracy" in log and "plots:" in log
     run_dir = tmp_path / "run"
-    recipe = ["recipe=arith_tool", *verl_data(tmp_path)] if mode == "tool_loop" else ["recipe=arith"]
-    out = run_cli("train", *recipe, *TINY_SETTINGS, *MODES[mode], f"run.output_dir={run_dir}", cwd=tmp_path,
-                  timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert "base accuracy" in out.stdout and "-> final accuracy" in out.stdout and "plots:" in out.stdout
-    check_run(run_dir, eta=1)
-    if mode == "tool_loop":  # the calls are counted (in total and by failure reason) and drawn
-        steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
-        assert steps[-1]["rollout/tool_calls"] > 0
-        assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
-        # the verl rows trained: every sample was scored by compute_score_dict, which saw the row's
-        # data_source and extra_info (verl_row), and its "score" is the reward trained on (acc = score)
-        assert not steps[-1]["rollout/failures"].get("reward_error")
-        assert all(r["batch/reward_metrics/verl_row"] == 1.0 for r in steps)
-        assert all(r["batch/reward_mean"] == pytest.approx(r["batch/reward_metrics/acc"]) for r in steps)
-        assert any(r["batch/reward_mean"] > 0 for r in steps)
+    check_run(run_dir, eta=1, steps=5)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "elastic" and result["scale_events"] == 2 and result["engines"] == [1, 2, 1]
+    assert result["prompts_lost"] == result["prompts_trained_twice"] == result["staleness_violations"] == 0
+    up, down = result["phases_s"]
+    assert set(up) == {"start_engine_s", "weight_group_s"} and set(down) == {
+        "stop_routing_s", "abort_requests_s", "stop_engines_s", "weight_group_s"}
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert max(r["engines/live"] for r in steps) == 2 and steps[-1]["engines/live"] == 1
+    assert steps[-1]["engines/scale_events"] == 2
+    # the calls are counted (in total and by failure reason) and drawn
+    assert steps[-1]["rollout/tool_calls"] > 0
+    assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
+    # the verl rows trained: every sample was scored by compute_score_dict, which saw the row's
+    # data_source and extra_info (verl_row), and its "score" is the reward trained on (acc = score)
+    assert not steps[-1]["rollout/failures"].get("reward_error")
+    assert all(r["batch/reward_metrics/verl_row"] == 1.0 for r in steps)
+    assert all(r["batch/reward_mean"] == pytest.approx(r["batch/reward_metrics/acc"]) for r in steps)
+    assert any(r["batch/reward_mean"] > 0 for r in steps)

@@ -42,6 +42,8 @@ class BenchConfig:
     # rank, then the whole run (increasing; the last two after a checkpoint).
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
+    # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing)
+    engine_schedule: list[list[int]] = field(default_factory=lambda: [[3, 16], [7, 4]])
     # staleness bench: the grid (staleness held exactly at each k; every loss; every seed), the
     # steps of every run, its evaluations, and the pause modes of free-running runs (none: none).
     staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
@@ -94,6 +96,11 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
     if len(b.fault_steps) != 4 or any(s < 1 for s in b.fault_steps) or sorted(set(b.fault_steps)) != b.fault_steps:
         problems.append(f"bench.fault_steps={b.fault_steps!r}: must be 4 increasing steps >= 1 "
                         "(engine, rollout worker, trainer rank, whole run)")
+    steps = [x[0] for x in b.engine_schedule if len(x) == 2]
+    if (not b.engine_schedule or len(steps) != len(b.engine_schedule) or sorted(set(steps)) != steps
+            or any(s < 1 or n < 1 for s, n in b.engine_schedule)):
+        problems.append(f"bench.engine_schedule={b.engine_schedule!r}: [[step, engines], ...] with increasing "
+                        "steps >= 1 and engines >= 1")
     if b.checkpoint_every < 1:
         problems.append(f"bench.checkpoint_every={b.checkpoint_every!r}: must be >= 1")
     if not b.staleness or any(k < 0 for k in b.staleness) or len(set(b.staleness)) != len(b.staleness):

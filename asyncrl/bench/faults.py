@@ -65,12 +65,12 @@ def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
     return live
 
 
-def kill_all(tag: str) -> None:
-    for p in tagged(tag):
+def kill_all(tag: str, variable: str = TAG_ENV) -> None:
+    for p in tagged(tag, variable):
         with contextlib.suppress(psutil.Error):
             p.kill()
     deadline = time.monotonic() + 60
-    while tagged(tag) and time.monotonic() < deadline:
+    while tagged(tag, variable) and time.monotonic() < deadline:
         time.sleep(0.5)
 
 
@@ -199,6 +199,10 @@ def _figures(cfg: Config, run_dir: Path, injected: dict[str, dict[str, Any]], be
         "tokens_regenerated_after_resume": max(0, at_kill - at_ckpt),
         "loops_resumed": {e["kind"]: e["loops_resumed"] for e in events if e["loops_resumed"]},
         "prompts_restarted": {e["kind"]: e["prompts_restarted"] for e in events},
+        # a dead worker's unfinished groups: the tokens its replacement continued with (its last
+        # mirror) and those it generated again (its last report's, less those kept)
+        "tokens_kept": {e["kind"]: e.get("tokens_kept", 0) for e in events if e["kind"] == "rollout_worker"},
+        "tokens_lost": {e["kind"]: e["tokens_lost"] for e in events if e["kind"] == "rollout_worker"},
         "duplicates_dropped": summary["duplicates_dropped"],
         "steps": summary["steps"], "injected_after_step": {k: v["step"] for k, v in injected.items()},
         "run": str(run_dir),

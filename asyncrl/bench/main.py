@@ -6,6 +6,7 @@ baseline in the same run.
     weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
+    elastic       a run whose engines are grown and shrunk while it trains (`asyncrl scale`)
     staleness     learning at staleness held exactly at k, per loss, against synchronous training
     routing-replay  MoE rollout routing replay (r3) against none, at staleness held at k
     simulate      a scenario on simulated backends, colocated sync vs async (`asyncrl simulate SCENARIO`)
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
     "faults": "asyncrl.bench.faults:run_faults_bench",
+    "elastic": "asyncrl.bench.elastic:run_elastic_bench",
     "staleness": "asyncrl.bench.staleness:run_staleness_bench",
     "routing-replay": "asyncrl.bench.routing_replay:run_routing_replay_bench",
     "simulate": "asyncrl.bench.simulate:run_simulate_bench",

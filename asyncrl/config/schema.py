@@ -172,6 +172,23 @@ class SimEngineConfig:
 
 
 @dataclass
+class AutoscaleConfig:
+    """engine.autoscale: grow the engines when the trainer waits for data, shrink them when they
+    idle (asyncrl/control/elastic.py; docs/scale.md). Each rule looks at the mean of the last
+    `window_steps` steps; after a change none fires for `cooldown_steps` steps."""
+
+    enabled: bool = False
+    min_engines: int = 1
+    max_engines: int = 4
+    # add an engine while the trainer waited for groups this share of its steps (idle/trainer) ...
+    grow_when_trainer_idle: float = 0.3
+    # ... remove one while the engines were idle this share of theirs (idle/engines) and the trainer was not waiting
+    shrink_when_engines_idle: float = 0.5
+    window_steps: int = 3
+    cooldown_steps: int = 5
+
+
+@dataclass
 class EngineConfig:
     backend: str = "vllm"
     num_engines: int = 1
@@ -206,6 +223,7 @@ class EngineConfig:
     # offer them (`ray start --resources='{"engine_node": 8}'`; docs/scale.md, multi-node).
     resources: dict[str, float] = field(default_factory=dict)
     sim: SimEngineConfig = field(default_factory=SimEngineConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
 
 @dataclass
@@ -314,6 +332,10 @@ class RolloutConfig:
     num_cpus_per_worker: float = 0.5
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker: see engine.resources
     cpu_cores: str = ""  # CPU only: cores the rollout workers run on ("" = any); see engine.cpu_cores
+    # At every weight sync each worker's unfinished groups (finished samples, and in abort mode
+    # every loop's snapshot) go to the object store, so that a replacement of a dead worker
+    # continues them (docs/faults.md). Costs a copy of their tokens a sync.
+    mirror_loops: bool = True
 
 
 @dataclass

@@ -190,6 +190,17 @@ def _check_values(c: Config, problems: list[str]) -> None:
     one_of("engine.dtype", c.engine.dtype, DTYPES)
     within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
     within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)
+    a = c.engine.autoscale
+    if a.enabled:
+        within("engine.autoscale.min_engines", a.min_engines, 1, MAX_WORKERS)
+        within("engine.autoscale.max_engines", a.max_engines, a.min_engines, MAX_WORKERS,
+               "from engine.autoscale.min_engines")
+        within("engine.num_engines", c.engine.num_engines, a.min_engines, a.max_engines,
+               "the engines a run starts with, between engine.autoscale.min_engines and max_engines")
+        within("engine.autoscale.grow_when_trainer_idle", a.grow_when_trainer_idle, 0.0, 1.0)
+        within("engine.autoscale.shrink_when_engines_idle", a.shrink_when_engines_idle, 0.0, 1.0)
+        within("engine.autoscale.window_steps", a.window_steps, 1, 1000)
+        at_least("engine.autoscale.cooldown_steps", a.cooldown_steps, 0)
     need(c.engine.max_model_len > c.rollout.max_new_tokens, "engine.max_model_len", c.engine.max_model_len,
          f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
     need(c.engine.max_model_len <= MAX_MODEL_LEN, "engine.max_model_len", c.engine.max_model_len,

@@ -1,10 +1,13 @@
 """The engines of a run: one per slot (a placement-group bundle), the workers' routing, and the
 weight-broadcast group over the live ones.
 
-A slot holds its live engine, or its replacement while that starts (`starting`). A
-replacement joins a new broadcast group once started (`poll_starting`) and the workers'
-routing once a sync gave it the policy (`route_joined`): until then `routed` keeps the handle
-the workers were given.
+A slot holds its live engine, or its replacement while that starts (`starting`), or nothing
+(an engine removed from the run). A new engine, a replacement or an added one (`grow`),
+joins a new broadcast group once started (`poll_starting`) and the workers' routing once a
+sync gave it the policy (`route_joined`): until then `routed` keeps the handle the workers
+were given. `shrink` removes engines the way a fault does, but on purpose: the workers stop
+routing to them, their requests are aborted (the loops continue from their snapshots on the
+other engines, nothing restarts from the prompt), then they stop.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from asyncrl import actors
 from asyncrl.config.schema import Config
 from asyncrl.control import TrainingError
 from asyncrl.control.worker_pool import WorkerPool, kill
-from asyncrl.messages import EngineActivity, FaultEvent, error_line
+from asyncrl.messages import EngineActivity, FaultEvent, ScaleEvent, error_line
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup
 
@@ -30,10 +33,12 @@ logger = logging.getLogger(__name__)
 class EnginePool:
     def __init__(self, cfg: Config, slots: list | None):
         """`engine.num_engines` engines in `slots`, not started yet (`start`)."""
-        self.cfg, self.slots = cfg, slots
-        self.engines = actors.create_engines(cfg, slots)
+        self.cfg, self.slots = cfg, list(slots or [])
+        self.engines: list[Any] = actors.create_engines(cfg, slots)  # None: a slot whose engine was removed
         self.routed = list(self.engines)  # the handles the workers route to
-        self.starting: dict[int, tuple[ray.ObjectRef, FaultEvent, float]] = {}  # slot -> replacement's start
+        self.starting: dict[int, tuple[ray.ObjectRef, FaultEvent | ScaleEvent, float]] = {}  # slot -> its start
+        self.created = [1] * len(self.engines)  # engines started in each slot so far (their names' suffix)
+        self.own_groups: dict[int, tuple[dict, Any]] = {}  # added slot -> its actor options, placement group
         self.sync: WeightSync | None = None
         self.on_dead: Callable[[], object] = lambda: None
 
@@ -53,14 +58,18 @@ class EnginePool:
         self.sync.connect()
 
     def live(self) -> list:
-        """The engines serving now (replacements still starting left out)."""
-        return [e for i, e in enumerate(self.engines) if i not in self.starting]
+        """The engines serving now (those still starting left out)."""
+        return [e for i, e in enumerate(self.engines) if e is not None and i not in self.starting]
+
+    def count(self) -> int:
+        """The run's engines, those starting included."""
+        return sum(e is not None for e in self.engines)
 
     def slot_of(self, engine: Any) -> int:
         return next(i for i, e in enumerate(self.engines) if e is engine)
 
     def health_probes(self) -> list[tuple[int, ray.ObjectRef]]:
-        return [(i, e.health.remote()) for i, e in enumerate(self.engines) if i not in self.starting]
+        return [(i, e.health.remote()) for i, e in enumerate(self.engines) if e is not None and i not in self.starting]
 
     def activity(self) -> dict[Any, EngineActivity]:
         """Each live engine's activity totals, by its handle."""
@@ -73,44 +82,108 @@ class EnginePool:
             each = ray.get([e.activity.remote() for e in engines])
         return dict(zip(engines, each))
 
-    def replace(self, i: int, event: FaultEvent, restart: int) -> None:
+    def replace(self, i: int, event: FaultEvent) -> None:
         """Start a new engine in slot `i`'s bundle; the run goes on meanwhile (the dead one's loops
         already moved to the live engines). `poll_starting` takes it in, with `event`."""
         t0 = time.monotonic()
+        self._stop(i, timeout_s=10)
+        self._start(i, event, t0)
+
+    def _start(self, i: int, event: FaultEvent | ScaleEvent, t0: float) -> None:
+        if not self.slots or i < len(self.slots):
+            options = actors.slot(self.slots, i)
+        else:  # an added slot: a placement group of its own
+            if i not in self.own_groups:
+                self.own_groups[i] = actors.engine_bundle(self.cfg)
+            options = self.own_groups[i][0]
+        self.engines[i] = actors.create_engine(self.cfg, i, options, restart=self.created[i])
+        self.created[i] += 1
+        self.starting[i] = (self.engines[i].start.remote(), event, t0)
+
+    def _stop(self, i: int, timeout_s: float) -> None:
         try:  # what is left of its vLLM processes stops with it
-            ray.get(self.engines[i].shutdown.remote(), timeout=10)
+            ray.get(self.engines[i].shutdown.remote(), timeout=timeout_s)
         except Exception:  # dead, or hung
             pass
         kill(self.engines[i])
-        self.engines[i] = actors.create_engine(self.cfg, i, actors.slot(self.slots, i), restart=restart)
-        self.starting[i] = (self.engines[i].start.remote(), event, t0)
 
-    def poll_starting(self, block: bool = False) -> list[FaultEvent]:
-        """Take in the replacements that have started (with `block`, wait for one): a new
-        broadcast group with them. Returns their completed fault events."""
+    # -- elastic ---------------------------------------------------------------------
+
+    def grow(self, n: int, event: ScaleEvent) -> None:
+        """Start `n` more engines (in removed slots first, then new ones, each new one in a
+        placement group of its own); `poll_starting` takes them in and returns `event` once the
+        last has started."""
+        t0 = time.monotonic()
+        for _ in range(n):
+            i = next((k for k, e in enumerate(self.engines) if e is None), len(self.engines))
+            if i == len(self.engines):
+                self.engines.append(None)
+                self.routed.append(None)
+                self.created.append(0)
+            event.slots.append(i)
+            self._start(i, event, t0)
+
+    def shrink(self, n: int, workers: WorkerPool, event: ScaleEvent) -> None:
+        """Remove the `n` live engines of the highest slots: the workers stop routing to them,
+        their requests are aborted (each loop goes on from its snapshot on another engine), they
+        stop, and a broadcast group forms without them."""
+        slots = [i for i, e in enumerate(self.engines) if e is not None and i not in self.starting][-n:]
+        event.slots += slots
+        t0 = time.monotonic()
+        for i in slots:
+            workers.retire(i)
+        t1 = time.monotonic()
+        for i, ref in [(i, self.engines[i].pause.remote("abort")) for i in slots]:
+            try:
+                ray.get(ref)
+            except Exception as e:  # dead meanwhile: removed all the same
+                logger.warning("engine-%d failed while being removed: %s", i, error_line(e))
+        t2 = time.monotonic()
+        for i in slots:
+            self._stop(i, timeout_s=60)
+            self.engines[i] = self.routed[i] = None
+            if i in self.own_groups:
+                actors.remove_bundle(self.own_groups.pop(i)[1])
+        t3 = time.monotonic()
+        self.reform_group()
+        event.phases_s = {"stop_routing_s": t1 - t0, "abort_requests_s": t2 - t1, "stop_engines_s": t3 - t2,
+                          "weight_group_s": time.monotonic() - t3}
+
+    def poll_starting(self, block: bool = False) -> list[FaultEvent | ScaleEvent]:
+        """Take in the engines that have started (with `block`, wait for one): a new broadcast
+        group with them. Returns the events completed: a replacement's, or a scale-up's once
+        its last engine started."""
         if not self.starting:
             return []
         refs = {ref: i for i, (ref, _, _) in self.starting.items()}
         ready, _ = ray.wait(list(refs), num_returns=1 if block else len(refs), timeout=None if block else 0)
-        events = []
+        if not ready:
+            return []
+        started = []
         for ref in ready:
             i = refs[ref]
             _, event, t0 = self.starting.pop(i)
             try:
                 ray.get(ref)
             except Exception as e:
-                raise TrainingError(f"engine-{i}'s replacement failed to start: {error_line(e)}") from None
-            event.phases_s["start_engine_s"] = time.monotonic() - t0
-            t1 = time.monotonic()
-            self.reform_group()
+                raise TrainingError(f"engine-{i} failed to start: {error_line(e)}") from None
+            # a scale-up's engines share one start time: the phase lasts until its last one started
+            event.phases_s["start_engine_s"] = max(event.phases_s.get("start_engine_s", 0.0), time.monotonic() - t0)
+            started.append(event)
+        t1 = time.monotonic()
+        self.reform_group()
+        done: list[FaultEvent | ScaleEvent] = []
+        for event in started:
+            if any(d is event for d in done) or any(e is event for _, e, _ in self.starting.values()):
+                continue  # a scale-up with engines still starting
             event.phases_s["weight_group_s"] = time.monotonic() - t1
-            events.append(event)
-        return events
+            done.append(event)
+        return done
 
     def route_joined(self, workers: WorkerPool, version: int) -> None:
         """After a sync every engine holds the policy: replacements join the workers' routing."""
         for i, engine in enumerate(self.engines):
-            if self.routed[i] is not engine and i not in self.starting:
+            if engine is not None and self.routed[i] is not engine and i not in self.starting:
                 self.routed[i] = engine
                 workers.route(i, engine)
                 logger.info("engine-%d's replacement holds version %d: routed to", i, version)
@@ -129,10 +202,13 @@ class EnginePool:
 
     def shutdown(self) -> None:
         """Stop every engine's vLLM processes, then the actors."""
-        for e in self.engines:
+        engines = [e for e in self.engines if e is not None]
+        for e in engines:
             try:
                 ray.get(e.shutdown.remote(), timeout=60)
             except Exception as err:  # a dead engine cannot shut down; it is killed below
                 logger.warning("engine shutdown: %s", error_line(err))
-        for e in self.engines:
+        for e in engines:
             kill(e)
+        for _, group in self.own_groups.values():
+            actors.remove_bundle(group)

@@ -22,6 +22,7 @@ from asyncrl.config.schema import Config
 from asyncrl.control import TrainingError
 from asyncrl.control.step_metrics import rollout_metrics
 from asyncrl.control.worker_pool import WorkerPool
+from asyncrl.messages import Admitted, PendingGroupState
 from asyncrl.rollout.admission import PromptLedger, StalenessController
 from asyncrl.trainer.batch import group_filter_reason
 from asyncrl.types import TrajectoryGroup
@@ -112,13 +113,20 @@ class Prompts:
         in_workers = self.workers.pending_prompts()
         return in_workers, set(ray.get(self.queue.prompt_ids.remote()))
 
-    def restart_lost(self) -> int:
-        """Start again every running prompt that neither a worker nor the queue holds (a dead
-        worker's); returns how many."""
+    def restart_lost(self, mirrored: list[PendingGroupState]) -> tuple[int, int, int]:
+        """Continue every running prompt that neither a worker nor the queue holds (a dead
+        worker's): from its group in `mirrored` (the dead worker's last mirror) where there is one,
+        from its prompt otherwise. Returns the prompts restarted, the loops resumed and the
+        generated tokens kept."""
         held, queued = self.held()
-        lost = sorted(self.ledger.running() - held - queued)
-        self.workers.submit([self.agents.problem_by_id(p) for p in lost])
-        return len(lost)
+        lost = self.ledger.running() - held - queued
+        resumed = [g for g in mirrored if g.prompt_id in lost]
+        answer = self.workers.restore(resumed, [self.agents.problem_by_id(g.prompt_id) for g in resumed])
+        fresh = sorted(lost - {g.prompt_id for g in resumed})
+        answer = Admitted.merge([answer, self.workers.submit([self.agents.problem_by_id(p) for p in fresh])])
+        for prompt_id, failure in answer.rejected.items():
+            self.ledger.finish(prompt_id, "failed", failure.code)
+        return len(fresh), sum(len(g.snapshots) for g in resumed), sum(g.generated_tokens() for g in resumed)
 
     def counts(self) -> dict[str, int]:
         """Every admitted prompt in exactly one state; running ones are where the workers and queue say."""

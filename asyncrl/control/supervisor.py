@@ -3,8 +3,9 @@ run's restart limits, and the record of every fault (invariant 6).
 
 A dead engine is replaced in its bundle while the run goes on (its loops already moved to the
 live engines); it joins a new broadcast group once started and the workers' routing once a
-sync gave it the policy. A dead rollout worker is replaced and every prompt it held starts
-again from its prompt (`restart_lost_prompts`, the driver's: it knows the ledger). A dead
+sync gave it the policy. A dead rollout worker is replaced and every prompt it held continues
+from its group in the worker's last mirror (taken at every sync), or from its prompt
+(`restart_lost_prompts`, the driver's: it knows the ledger). A dead
 trainer rank is the driver's to handle (the whole run goes back to a checkpoint); it counts
 and records that fault here too. Each fault is a `FaultEvent`: logged, counted in the
 metrics, appended to RUN_DIR/faults.jsonl and listed in summary.json; past
@@ -26,19 +27,21 @@ from asyncrl.config.schema import Config
 from asyncrl.control import TrainingError
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.worker_pool import WorkerPool
-from asyncrl.messages import FaultEvent, error_line
+from asyncrl.messages import FaultEvent, PendingGroupState, ScaleEvent, error_line
 
 logger = logging.getLogger(__name__)
 
 
 class Supervisor:
     def __init__(self, cfg: Config, run_dir: Path, engines: EnginePool, workers: WorkerPool,
-                 step: Callable[[], int], restart_lost_prompts: Callable[[], int]):
+                 step: Callable[[], int],
+                 restart_lost_prompts: Callable[[list[PendingGroupState]], tuple[int, int, int]]):
         self.cfg, self.run_dir, self.engines, self.workers = cfg, Path(run_dir), engines, workers
         self.step = step  # the run's current step, for the events
-        self.restart_lost_prompts = restart_lost_prompts  # -> prompts restarted
+        self.restart_lost_prompts = restart_lost_prompts  # (a dead worker's mirror) -> restarted, resumed, kept
         self.restarts: collections.Counter[str] = collections.Counter()  # kind -> replacements so far
         self.faults: list[FaultEvent] = []
+        self.scale_events: list[ScaleEvent] = []
         engines.on_dead = workers.on_dead = self.check_health
 
     def check_health(self) -> bool:
@@ -70,7 +73,7 @@ class Supervisor:
         for i, reason in why.items():
             self.count_restart("engine", self.cfg.run.max_engine_restarts, reason)
             logger.warning("engine-%d failed: %s; starting a replacement", i, reason)
-            self.engines.replace(i, FaultEvent("engine", f"engine-{i}", self.step(), reason), self.restarts["engine"])
+            self.engines.replace(i, FaultEvent("engine", f"engine-{i}", self.step(), reason))
         self.engines.reform_group()
         if not self.engines.live():
             self.poll_starting(block=True)
@@ -86,11 +89,12 @@ class Supervisor:
         event = FaultEvent("rollout_worker", f"rollout-worker-{i}", self.step(), why)
         logger.warning("rollout-worker-%d failed: %s; starting a replacement", i, why)
         t0 = time.monotonic()
+        mirrored = self.workers.mirrored(i)
         last = self.workers.replace(i, self.engines.routed, restart=self.restarts["rollout_worker"])
-        if last is not None:
-            event.tokens_lost = last.pending_tokens
         t1 = time.monotonic()
-        event.prompts_restarted = self.restart_lost_prompts()
+        event.prompts_restarted, event.loops_resumed, event.tokens_kept = self.restart_lost_prompts(mirrored)
+        if last is not None:
+            event.tokens_lost = max(0, last.pending_tokens - event.tokens_kept)
         event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
         self.record(event)
 
@@ -102,16 +106,27 @@ class Supervisor:
                                 f"={limit} reached")
         self.restarts[kind] += 1
 
-    def record(self, event: FaultEvent) -> None:
-        """Log the event, count it, and append it to RUN_DIR/faults.jsonl (kept across resumes)."""
-        self.faults.append(event)
-        with open(self.run_dir / "faults.jsonl", "a") as f:
+    def record(self, event: FaultEvent | ScaleEvent) -> None:
+        """Log the event, count it, and append it to RUN_DIR/faults.jsonl or scale.jsonl (kept across resumes)."""
+        phases = {k: round(v, 2) for k, v in event.phases_s.items()}
+        if isinstance(event, ScaleEvent):
+            self.scale_events.append(event)
+            logger.warning("engines %d -> %d (%s) in %.1fs: %s", event.engines_before, event.engines_after,
+                           event.reason, event.scale_s, phases)
+        else:
+            self.faults.append(event)
+            logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
+                           phases)
+        with open(self.run_dir / ("scale.jsonl" if isinstance(event, ScaleEvent) else "faults.jsonl"), "a") as f:
             f.write(json.dumps(event.to_dict()) + "\n")
-        logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
-                       {k: round(v, 2) for k, v in event.phases_s.items()})
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {f"faults/{kind}": n for kind, n in self.restarts.items()}
         if self.faults:
             out["faults/last_recovery_s"] = self.faults[-1].recovery_s
+        out["engines/count"] = self.engines.count()
+        out["engines/live"] = len(self.engines.live())
+        if self.scale_events:
+            out["engines/scale_events"] = len(self.scale_events)
+            out["engines/last_scale_s"] = self.scale_events[-1].scale_s
         return out

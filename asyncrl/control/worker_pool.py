@@ -27,6 +27,7 @@ class WorkerPool:
         self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart)
         self.last_stats: dict[int, WorkerStats] = {}  # each live worker's latest report
         self.retired_stats: list[WorkerStats] = []  # the last reports of replaced workers
+        self.mirrors: list[ray.ObjectRef | None] = [None] * len(self.handles)  # each worker's unfinished groups
         self.on_dead: Callable[[], object] = lambda: None
 
     def _each(self, call: Callable[..., ray.ObjectRef], per_worker: list[tuple] | None = None) -> list:
@@ -76,11 +77,30 @@ class WorkerPool:
         """Every worker routes to `engine` in engine slot `index`."""
         self._each(lambda w: w.replace_engine.remote(index, engine))
 
+    def retire(self, index: int) -> None:
+        """No worker routes anything more to engine slot `index`."""
+        self._each(lambda w: w.retire_engine.remote(index))
+
     def stats(self) -> list[WorkerStats]:
         """Every live worker's report, then the last reports of the workers they replaced."""
         stats = self._each(lambda w: w.get_stats.remote())
         self.last_stats = dict(enumerate(stats))
         return stats + self.retired_stats
+
+    def mirror(self) -> None:
+        """Each worker's unfinished groups as they stand (`RolloutWorker.mirror`), kept for a
+        replacement: in the object store, owned by the driver, not fetched unless a worker dies."""
+        refs = [w.mirror.remote() for w in self.handles]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        self.mirrors = refs
+
+    def mirrored(self, i: int) -> list[PendingGroupState]:
+        """Worker i's groups as of the last `mirror` (none if it has not been mirrored)."""
+        ref = self.mirrors[i]
+        try:
+            return ray.get(ref) if ref is not None else []
+        except Exception:  # it died during the mirror
+            return []
 
     def health_probes(self) -> list[ray.ObjectRef]:
         return [w.health.remote() for w in self.handles]
@@ -95,6 +115,7 @@ class WorkerPool:
             self.retired_stats.append(last)
         self.handles[i] = actors.create_rollout_worker(self.cfg, i, engines, self.queue, actors.slot(self.slots, i),
                                                        restart=restart)
+        self.mirrors[i] = None
         ray.get(self.handles[i].health.remote())  # constructed
         return last
 
@@ -106,6 +127,7 @@ class WorkerPool:
         self.last_stats.clear()
         self.queue = queue
         self.handles = actors.create_rollout_workers(self.cfg, engines, queue, self.slots, restart=restart)
+        self.mirrors = [None] * len(self.handles)
 
     def kill(self) -> None:
         for w in self.handles:

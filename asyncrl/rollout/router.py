@@ -9,7 +9,8 @@ An engine that cannot answer (its channel broke or cannot be opened: the actor o
 processes died) is marked failed: its requests in flight end as aborted with no tokens, so
 their loops leave snapshots holding everything generated before, and nothing more is routed
 to it until the driver hands the worker a replacement (`replace`). With every engine failed,
-requests wait for one.
+requests wait for one. An engine removed from the run (`retire`) is routed around the same way;
+an added one gets a new slot (`replace` at the end).
 """
 
 from __future__ import annotations
@@ -62,12 +63,26 @@ class EngineRouter:
             self._any_live.clear()
 
     def replace(self, index: int, engine: Any) -> None:
-        """Route to `engine` (a replacement) in place of the engine at `index`."""
-        self.channels[index].close()
-        self.engines[index] = engine
-        self.channels[index] = self._channel(index, engine)
+        """Route to `engine` in slot `index`: a replacement for a failed or removed engine, or a
+        new slot at the end (an engine added to the run)."""
+        if index == len(self.engines):
+            self.engines.append(engine)
+            self.channels.append(self._channel(index, engine))
+            self.outstanding.append(0)
+            self.assigned.append(0)
+        else:
+            self.channels[index].close()
+            self.engines[index] = engine
+            self.channels[index] = self._channel(index, engine)
         self.failed.pop(index, None)
         self._any_live.set()
+
+    def retire(self, index: int) -> None:
+        """Route nothing more to slot `index`: its engine is being removed (the driver aborts its
+        requests next; their loops go on from their snapshots on the other engines)."""
+        self.failed[index] = "removed from the run"
+        if len(self.failed) == len(self.engines):
+            self._any_live.clear()
 
     async def live_engine(self) -> int:
         """A live engine's index, once there is one."""

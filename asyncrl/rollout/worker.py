@@ -156,6 +156,14 @@ class RolloutWorker:
             await asyncio.gather(*list(self._sample_tasks), return_exceptions=True)
         return self._pending_states()
 
+    async def mirror(self) -> list[PendingGroupState]:
+        """The unfinished local groups for the driver to keep, so that a replacement of this worker
+        continues them if it dies: while interrupted (a sync in abort mode) once every loop left
+        its snapshot, as `checkpoint()`; otherwise at once (finished samples, snapshots taken)."""
+        if self._interrupt.is_set():
+            return await self.checkpoint()
+        return self._pending_states()
+
     def _pending_states(self) -> list[PendingGroupState]:
         """The unfinished local groups as they stand: finished samples and the snapshots taken."""
         snapshots: dict[str, dict[int, AgentLoopSnapshot]] = collections.defaultdict(dict)
@@ -194,8 +202,12 @@ class RolloutWorker:
         """Answers while the worker's event loop runs (the driver's health check)."""
 
     def replace_engine(self, index: int, engine: Any) -> None:
-        """Route to `engine`, a replacement for the engine at `index` (which failed)."""
+        """Route to `engine` in engine slot `index`: a replacement, or an engine added to the run."""
         self.router.replace(index, engine)
+
+    def retire_engine(self, index: int) -> None:
+        """Route nothing more to engine slot `index` (it is being removed from the run)."""
+        self.router.retire(index)
 
     async def drain(self) -> None:
         """Wait until no loop is running (finished, failed or snapshotted)."""
