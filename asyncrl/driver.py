@@ -38,6 +38,7 @@ from asyncrl.config.validate import latest_checkpoint
 from asyncrl.control import TrainingError
 from asyncrl.control.elastic import Elastic
 from asyncrl.control.engine_pool import EnginePool
+from asyncrl.control.periodic_eval import PeriodicEvaluation
 from asyncrl.control.prompts import Prompts
 from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, take_snapshots
 from asyncrl.control.step_metrics import Clocks, cpu_totals, eval_metrics, gauges, rollout_metrics, step_metrics
@@ -63,10 +64,9 @@ class Driver:
         self.clock = Clock(cfg.cluster.time_scale)  # what the run reports: simulated seconds with sim backends
         self.version = 0  # policy version: weight syncs so far
         self.engine_version = 0  # the policy the engines hold (older with algorithm.policy_lag)
-        self.step = 0
-        self.samples = 0
-        self.train_s = 0.0  # seconds in the training loop so far, periodic evaluations left out
-        self.eval_s = 0.0  # seconds of periodic evaluations so far
+        self.step, self.samples = 0, 0
+        self.train_s = 0.0  # seconds in the training loop so far, the waits for periodic evaluations left out
+        self.eval_s = 0.0  # seconds training waited for periodic evaluations
         self._started = 0.0  # when the training loop started
         self.engines: EnginePool | None = None
         self.workers: WorkerPool | None = None
@@ -79,6 +79,7 @@ class Driver:
         self.log: RunLog | None = None
         self._started_ray = False
         self.prompts: Prompts | None = None
+        self.evals: PeriodicEvaluation | None = None
         self._last: Clocks | None = None  # the previous step's clocks
 
     # == setup =========================================================================
@@ -106,6 +107,7 @@ class Driver:
         self.engines.connect(self.trainer)
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
         self.heldout = self.agents.heldout(cfg.eval.num_problems)
+        self.evals = PeriodicEvaluation(cfg, self.agents, self.heldout)
         self.prompts = Prompts(cfg, self.agents, self.workers, self.queue)
         self.supervisor = Supervisor(cfg, self.run_dir, self.engines, self.workers, lambda: self.step,
                                      self.prompts.restart_lost)
@@ -126,7 +128,7 @@ class Driver:
             self.supervisor.record(event)
             return
         logger.info("ready in %.0fs (trainer: %s); evaluating the base policy", time.monotonic() - t0, trainer_info)
-        self.base_eval = self._evaluate(with_pass_k=True)
+        self.base_eval = evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout)
         logger.info("base policy: %s", self.base_eval.summary())
         self.log.log(0, {**eval_metrics(self.base_eval, self.engine_version), "setup_s": time.monotonic() - t0})
 
@@ -185,9 +187,8 @@ class Driver:
             "progress/train_s": now.time - self._started - self.eval_s,  # the clock of run.max_train_s
         })
         self._last = now
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.total_steps:
-            metrics.update(eval_metrics(self._evaluate(with_pass_k=cfg.eval.periodic_pass_k), self.engine_version))
-            self.eval_s += self.clock.now() - now.time
+        metrics.update(self.evals.after_step(step, self.workers.handles, self.engine_version))
+        self.eval_s += self.clock.now() - now.time  # training waits only for evaluations not beside it
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.total_steps:
             self.save_checkpoint()
         self.log.log(step, metrics)
@@ -242,9 +243,6 @@ class Driver:
         self.engine_version = self.engines.sync.sync(self.version, mode, newest=True).engine_version
         if mode == "abort":
             self.workers.resume_interrupted()
-
-    def _evaluate(self, with_pass_k: bool) -> EvalResult:
-        return evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout, with_pass_k=with_pass_k)
 
     def _restart_trainer(self, why: str) -> None:
         """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the whole
@@ -337,8 +335,10 @@ class Driver:
         """Final evaluation (with pass@k), HF export, summary.json."""
         while self.engines.starting:  # a replacement engine still starting: the run ends with it in
             self.supervisor.poll_starting(block=True)
+        if last := self.evals.after_step(self.step, self.workers.handles, self.engine_version, block=True):
+            self.log.log(self.step, last)  # the one still running
         self._newest_policy_to_engines()
-        final_eval = self._evaluate(with_pass_k=True)
+        final_eval = evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout)
         self.log.log(self.step, eval_metrics(final_eval, self.engine_version))
         export = self.trainer.export_hf(str(self.run_dir / "final_policy"))
         if self.cfg.trainer.checkpoint_every:

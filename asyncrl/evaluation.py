@@ -75,14 +75,29 @@ def evaluate_with_workers(cfg: Config, workers: list, agents: WeightedMultiTask,
     """Evaluation during training, through the rollout workers: every problem runs its agent's
     loop (tool calls included; remote agents on their server) on the running engines, once
     greedily and, with `with_pass_k`, eval.n_samples times at eval.temperature."""
-    import ray
+    return PendingEvaluation(cfg, workers, problems, with_pass_k).result(agents, block=True)
 
-    t0 = time.time()
-    n = cfg.eval.n_samples if with_pass_k else 0
-    shares = [problems[i::len(workers)] for i in range(len(workers))]
-    per_worker = ray.get([w.evaluate.remote(share, n, cfg.eval.temperature, list(cfg.eval.pass_k))
-                          for w, share in zip(workers, shares) if share])
-    return eval_result(cfg, "policy in training", _merge(per_worker), set(agents.weights), t0)
+
+class PendingEvaluation:
+    """An evaluation through the rollout workers that runs while the caller goes on (beside
+    training: each worker sends at most eval.max_concurrent of its requests at once)."""
+
+    def __init__(self, cfg: Config, workers: list, problems: list[Problem], with_pass_k: bool = True,
+                 beside_training: bool = False):
+        self.cfg, self.t0 = cfg, time.time()
+        n = cfg.eval.n_samples if with_pass_k else 0
+        limit = cfg.eval.max_concurrent if beside_training else 0
+        shares = [problems[i::len(workers)] for i in range(len(workers))]
+        self.refs = [w.evaluate.remote(share, n, cfg.eval.temperature, list(cfg.eval.pass_k), limit)
+                     for w, share in zip(workers, shares) if share]
+
+    def result(self, agents: WeightedMultiTask, block: bool = False) -> EvalResult | None:
+        """The result once every worker answered (`block`: wait for it); None while it runs."""
+        import ray
+
+        if not block and len(ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[0]) < len(self.refs):
+            return None
+        return eval_result(self.cfg, "policy in training", _merge(ray.get(self.refs)), set(agents.weights), self.t0)
 
 
 def _merge(per_worker: list[list[EvaluationResponse]]) -> list[EvaluationResponse]:

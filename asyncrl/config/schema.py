@@ -423,6 +423,11 @@ class EvalConfig:
     pass_k: list[int] = field(default_factory=lambda: [1, 8])
     temperature: float = 1.0
     periodic_pass_k: bool = True  # evaluations during training sample pass@k too (not only greedy)
+    # Evaluations during training run on the engines beside the rollouts (the trainer goes on; the
+    # result is logged at the step it arrives, with the policy versions it spanned), each worker
+    # sending at most `max_concurrent` of their requests at once. false: training waits for them.
+    beside_training: bool = True
+    max_concurrent: int = 64
     # `asyncrl eval` only: an OpenAI-compatible completions endpoint (e.g. `vllm serve`) to
     # evaluate instead of starting vLLM; empty: vLLM in process on model.path.
     endpoint: str = ""

@@ -189,6 +189,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     one_of("engine.backend", c.engine.backend, ENGINE_BACKENDS)
     one_of("engine.dtype", c.engine.dtype, DTYPES)
     within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
+    at_least("eval.max_concurrent", c.eval.max_concurrent, 1)
     within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)
     a = c.engine.autoscale
     if a.enabled:

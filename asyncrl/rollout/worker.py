@@ -52,7 +52,14 @@ from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
-from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryStatus
+from asyncrl.types import (
+    AgentLoopSnapshot,
+    GenerationResult,
+    SamplingSpec,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,18 @@ class _PendingGroup:
 
     def complete(self) -> bool:
         return all(t is not None for t in self.trajectories)
+
+
+class BoundedInference(InferenceInterface):
+    """At most `limit` requests of an inference interface at once."""
+
+    def __init__(self, inner: InferenceInterface, limit: int):
+        self.inner, self.slots = inner, asyncio.Semaphore(limit)
+        self.returns_token_ids, self.returns_logprobs = inner.returns_token_ids, inner.returns_logprobs
+
+    async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
+        async with self.slots:
+            return await self.inner.agenerate(prompt_token_ids, sampling, request_id)
 
 
 class RolloutWorker:
@@ -215,12 +234,15 @@ class RolloutWorker:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def evaluate(self, problems: list[Problem], n_sampled: int, temperature: float,
-                       pass_k: list[int]) -> list[EvaluationResponse]:
+                       pass_k: list[int], max_concurrent: int = 0) -> list[EvaluationResponse]:
         """Each agent's pass@k evaluation of its problems (one greedy rollout and `n_sampled` at
-        `temperature` each), outside training: never interrupted, no groups emitted."""
+        `temperature` each), outside training: no groups emitted. `max_concurrent`: at most
+        that many of its requests at once (0: all), the share of the engines it takes beside
+        the rollouts."""
         if any(self.agents.agent_for(p).remote for p in problems):
             await self.gateway.serve()  # their env servers generate through the gateway
-        return await self.agents.evaluate(problems, self.gateway, n_sampled, temperature, pass_k)
+        inference = BoundedInference(self.gateway, max_concurrent) if max_concurrent else self.gateway
+        return await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
 
     async def _resumed(self) -> None:
         """Returns once a weight sync in abort mode is over (the gateway's requests wait here)."""
