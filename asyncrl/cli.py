@@ -4,6 +4,7 @@
     asyncrl eval recipe=arith [key=value ...]     # python -m asyncrl.evaluate ...
     asyncrl plot RUN_DIR                          # plots.png from a run's metrics.jsonl
     asyncrl scale RUN_DIR --engines N             # grow or shrink a running job's engines
+    asyncrl stop RUN_DIR                          # end a running job after its current step
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
     asyncrl simulate SCENARIO [key=value ...]     # asyncrl bench simulate recipe=SCENARIO ...
     asyncrl calibrate RECIPE [key=value ...]      # asyncrl bench calibrate recipe=RECIPE ...
@@ -23,7 +24,9 @@ COMMANDS = {
     "train": ("asyncrl.train", "train a policy with a recipe"),
     "eval": ("asyncrl.evaluate", "held-out accuracy of a policy: `asyncrl eval [CHECKPOINT] recipe=...`"),
     "plot": ("asyncrl.monitoring.plot", "PNG curves of a run: `asyncrl plot RUN_DIR`"),
-    "scale": ("asyncrl.control.elastic", "grow or shrink a running job's engines: `asyncrl scale RUN_DIR --engines N`"),
+    "scale": ("asyncrl.control.run_control:scale_main",
+              "grow or shrink a running job's engines: `asyncrl scale RUN_DIR --engines N`"),
+    "stop": ("asyncrl.control.run_control:stop_main", "end a running job after its step: `asyncrl stop RUN_DIR`"),
     "serve-env": ("asyncrl.serve_env", "host agents over HTTP: `asyncrl serve-env --config FILE --port N`"),
     "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async | ...`"),
     "simulate": ("asyncrl.bench.main", "a scenario on simulated backends: `asyncrl simulate sim_math7b_128gpu`"),
@@ -61,7 +64,8 @@ def main() -> None:
         sys.argv = ["asyncrl", "bench", command, f"recipe={sys.argv[2]}", *sys.argv[3:]]
         command = "bench"
     sys.argv = [f"asyncrl {command}", *sys.argv[2:]]
-    importlib.import_module(module).main()
+    module, _, function = module.partition(":")
+    getattr(importlib.import_module(module), function or "main")()
 
 
 if __name__ == "__main__":

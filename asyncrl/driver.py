@@ -139,7 +139,7 @@ class Driver:
         self.prompts.admit(self.version)
         self._last, _ = self._clocks()
         self._started = self._last.time
-        while self.step < cfg.trainer.total_steps:
+        while self.step < cfg.trainer.total_steps and not self.elastic.stop_requested:  # `asyncrl stop`
             if cfg.run.max_train_s and self.train_s >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
                 break

@@ -236,6 +236,14 @@ class FaultEvent:
 
 
 @dataclass
+class ControlRequest:
+    """What was asked of a running job since its last step (`asyncrl scale`, `asyncrl stop`)."""
+
+    engines: int | None = None  # the newest engine count asked for
+    stop: bool = False  # end after the current step (final evaluation, export, summary)
+
+
+@dataclass
 class ScaleEvent:
     """One change of a running job's engine count (`asyncrl scale`, or `engine.autoscale`): why,
     at which step, the slots it added or removed, and how long each phase took."""

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config.schema import AutoscaleConfig
-from asyncrl.control.elastic import Elastic, RunControl, autoscale_target
+from asyncrl.control.elastic import Elastic, autoscale_target
+from asyncrl.control.run_control import RunControl
+from asyncrl.messages import ControlRequest
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.run_config import load_config
 
@@ -59,7 +61,7 @@ def elastic(pool: Pool, rule: AutoscaleConfig, requests: list):
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, autoscale=rule))
     recorded = []
     return Elastic(cfg, None, pool, None, SimpleNamespace(record=recorded.append),
-                   take_request=lambda: requests.pop(0) if requests else None), recorded
+                   take_request=lambda: requests.pop(0) if requests else ControlRequest()), recorded
 
 
 def test_autoscale_waits_a_window_and_a_cooldown_between_changes():
@@ -86,7 +88,7 @@ def test_autoscale_waits_a_window_and_a_cooldown_between_changes():
 
 def test_a_request_wins_over_the_rule_and_waits_for_engines_still_starting():
     pool = Pool(2)
-    requests = [4, None, None, 1]
+    requests = [ControlRequest(engines=4), ControlRequest(), ControlRequest(), ControlRequest(engines=1)]
     e, recorded = elastic(pool, dataclasses.replace(RULE, enabled=False), requests)
     e.after_step(1, {})
     assert pool.calls == [("grow", 2, "asyncrl scale")] and pool.starting
@@ -98,14 +100,19 @@ def test_a_request_wins_over_the_rule_and_waits_for_engines_still_starting():
     e.after_step(5, {})
     assert pool.calls[-1] == ("shrink", 3, "asyncrl scale") and pool.n == 1
     assert recorded[-1].engines_before == 4 and recorded[-1].engines_after == 1 and recorded[-1].step == 5
+    requests.append(ControlRequest(stop=True))  # `asyncrl stop`: noted for the driver's loop
+    e.after_step(6, {})
+    assert e.stop_requested and len(pool.calls) == 2
 
 
 def test_run_control_keeps_the_newest_request_and_refuses_nonsense():
     control = RunControl()
-    assert control.take_request() is None
+    assert control.take_request() == ControlRequest()
     control.request_engines(3)
     control.request_engines(2)
-    assert control.take_request() == 2 and control.take_request() is None
+    control.request_stop()
+    assert control.take_request() == ControlRequest(engines=2, stop=True)
+    assert control.take_request() == ControlRequest()
     with pytest.raises(ValueError, match="must be in"):
         control.request_engines(0)
 

@@ -87,18 +87,21 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
 
 def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_path):
     """The tool_loop mode's run, and the real stack's elastic engines: `asyncrl bench elastic` runs
-    it with one engine and, through `asyncrl scale`, asks it for two after step 1 and for one
-    after step 3 (the removed engine's requests aborted, their loops continued on the other)."""
+    it with one engine, asks it (`asyncrl scale`) for two after step 1, for one once the second
+    has started (the removed engine's requests aborted, their loops continued on the other), and
+    two steps later to stop (`asyncrl stop`: the final evaluation and export as at the end)."""
     out = run_cli("bench", "elastic", "recipe=arith_tool", *verl_data(tmp_path),
                   *[s for s in TINY_SETTINGS if not s.startswith("trainer.total_steps=")], *MODES["tool_loop"],
-                  "trainer.total_steps=5", "engine.num_engines=1", "engine.num_cpus_per_engine=0.5",
-                  "bench.engine_schedule=[[1,2],[3,1]]", f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
+                  "trainer.total_steps=60", "engine.num_engines=1", "engine.num_cpus_per_engine=0.5",
+                  "bench.engine_schedule=[[1,2],[2,1]]", "bench.steps_after_scale=2", f"run.output_dir={tmp_path}",
+                  cwd=tmp_path, timeout=900)
     log = (tmp_path / "train.log").read_text() if (tmp_path / "train.log").exists() else ""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:] + log[-6000:]
     assert "base accuracy" in log and "-> final accuracy" in log and "plots:" in log
     run_dir = tmp_path / "run"
-    check_run(run_dir, eta=1, steps=5)
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    check_run(run_dir, eta=1, steps=None)
+    assert 5 <= result["steps"] < 60  # stopped by `asyncrl stop`
     assert result["bench"] == "elastic" and result["scale_events"] == 2 and result["engines"] == [1, 2, 1]
     assert result["prompts_lost"] == result["prompts_trained_twice"] == result["staleness_violations"] == 0
     up, down = result["phases_s"]

@@ -93,9 +93,12 @@ def leftovers(tag: str, wait_s: float = 30) -> dict[int, str]:
 def start_training(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     args = [*TINY, "trainer.total_steps=200", "eval.every_steps=0", f"run.output_dir={run_dir}"]
+    # Ctrl-C's default action, even where the suite itself was started in the background (a shell
+    # starts background jobs with SIGINT ignored, and the ignoring is inherited across exec)
     proc = subprocess.Popen([*ASYNCRL, "train", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, TAG: tag})
+                            env={**os.environ, TAG: tag},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, run_dir
 
 

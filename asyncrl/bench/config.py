@@ -44,6 +44,7 @@ class BenchConfig:
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
     # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing)
     engine_schedule: list[list[int]] = field(default_factory=lambda: [[3, 16], [7, 4]])
+    steps_after_scale: int = 3  # elastic bench: steps after the last change, then `asyncrl stop`
     # staleness bench: the grid (staleness held exactly at each k; every loss; every seed), the
     # steps of every run, its evaluations, and the pause modes of free-running runs (none: none).
     staleness: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
@@ -101,6 +102,8 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
             or any(s < 1 or n < 1 for s, n in b.engine_schedule)):
         problems.append(f"bench.engine_schedule={b.engine_schedule!r}: [[step, engines], ...] with increasing "
                         "steps >= 1 and engines >= 1")
+    if b.steps_after_scale < 1:
+        problems.append(f"bench.steps_after_scale={b.steps_after_scale!r}: must be >= 1")
     if b.checkpoint_every < 1:
         problems.append(f"bench.checkpoint_every={b.checkpoint_every!r}: must be >= 1")
     if not b.staleness or any(k < 0 for k in b.staleness) or len(set(b.staleness)) != len(b.staleness):

@@ -6,7 +6,9 @@ through the user's own command (`asyncrl scale RUN_DIR --engines N`).
 
 The run is `asyncrl train` in a subprocess. The bench watches its metrics.jsonl: once step s
 of `bench.engine_schedule` ([[s, engines], ...]) is logged it runs `asyncrl scale`, and waits
-until RUN_DIR/scale.jsonl records the change before the next one. Every figure is read from
+until RUN_DIR/scale.jsonl records the change before the next one; `bench.steps_after_scale`
+steps after the last change it runs `asyncrl stop` (trainer.total_steps only bounds the run:
+an engine's start takes as long as it takes). Every figure is read from
 what the run wrote: scale.jsonl (each change and its phase times), summary.json (the ledger's
 counts: prompts lost, trained twice) and metrics.jsonl (staleness per step; step time by the
 number of live engines). Last line: one JSON object.
@@ -49,6 +51,14 @@ def _wait(proc: subprocess.Popen, logs: Path, done: Any, what: str) -> None:
         time.sleep(0.5)
 
 
+def _control(command: str, run_dir: Path, *args: str) -> None:
+    """`asyncrl scale|stop RUN_DIR ...`, as a user types it."""
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", command, str(run_dir), *args], capture_output=True,
+                          text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"asyncrl {command} {' '.join(args)} failed: {done.stderr[-2000:]}")
+
+
 def run_elastic_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
@@ -56,7 +66,7 @@ def run_elastic_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     run_dir = root / "run"
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.output_dir=")]
     given = {o.split("=", 1)[0].lstrip("+") for o in overrides}
-    defaults = {"trainer.total_steps": str(bench.steps), "logging.progress_bar": "false"}
+    defaults = {"trainer.total_steps": "1000", "logging.progress_bar": "false"}
     command = [sys.executable, "-m", "asyncrl.cli", "train", *overrides,
                *[f"{k}={v}" for k, v in defaults.items() if k not in given], f"run.output_dir={run_dir}"]
     tag = f"elastic-{time.monotonic_ns()}"
@@ -69,12 +79,12 @@ def run_elastic_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
             for step, engines in bench.engine_schedule:
                 _wait(proc, logs, lambda s=step: _last_step(run_dir) >= s, f"before step {step}")
                 seen = len(_scale_events(run_dir))
-                asked = subprocess.run([sys.executable, "-m", "asyncrl.cli", "scale", str(run_dir),
-                                        "--engines", str(engines)], capture_output=True, text=True, timeout=120)
-                if asked.returncode != 0:
-                    raise RuntimeError(f"asyncrl scale --engines {engines} failed: {asked.stderr[-2000:]}")
+                _control("scale", run_dir, "--engines", str(engines))
                 print(f"bench elastic: asked for {engines} engine(s) after step {_last_step(run_dir)}", flush=True)
                 _wait(proc, logs, lambda n=seen: len(_scale_events(run_dir)) > n, f"before scaling to {engines}")
+            last = _last_step(run_dir) + bench.steps_after_scale
+            _wait(proc, logs, lambda: _last_step(run_dir) >= last, f"before step {last}")
+            _control("stop", run_dir)
             status = proc.wait()
         if status != 0:
             raise RuntimeError(f"the run failed (status {status}); see {logs}")

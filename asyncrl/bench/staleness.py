@@ -88,7 +88,9 @@ def arm_config(cfg: Config, bench: BenchConfig, arm: Arm, run_dir: Path) -> Conf
         engine=replace(cfg.engine, seed=arm.seed),
         trainer=replace(cfg.trainer, total_steps=bench.steps, checkpoint_every=0),
         # greedy accuracy is the figure; one sample at T gives pass@1 for little
-        eval=replace(cfg.eval, every_steps=bench.eval_every, n_samples=1, pass_k=[1], periodic_pass_k=False),
+        # each evaluation measures one policy version exactly: training waits for it
+        eval=replace(cfg.eval, every_steps=bench.eval_every, n_samples=1, pass_k=[1], periodic_pass_k=False,
+                     beside_training=False),
         logging=replace(cfg.logging, progress_bar=False))
 
 

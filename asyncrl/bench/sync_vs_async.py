@@ -55,7 +55,8 @@ def mode_config(cfg: Config, bench: BenchConfig, mode: str, run_dir: Path) -> Co
         cfg, algorithm=algorithm, engine=engine, rollout=rollout,
         run=replace(cfg.run, output_dir=str(run_dir), max_train_s=bench.train_s, resume_from=""),
         trainer=replace(trainer, total_steps=max(trainer.total_steps, 100_000), checkpoint_every=0),
-        eval=replace(cfg.eval, every_steps=bench.curve_every),
+        # the curve's evaluations pause training (their seconds are left out of the training time)
+        eval=replace(cfg.eval, every_steps=bench.curve_every, beside_training=False),
         logging=replace(cfg.logging, progress_bar=False))
 
 

@@ -3,10 +3,9 @@
     asyncrl scale RUN_DIR --engines N      # ask the run in RUN_DIR for N engines
     engine.autoscale.enabled=true          # grow while the trainer waits for data, shrink while engines idle
 
-`asyncrl scale` talks to `RunControl`, a named Ray actor the driver starts in a namespace of
-the run's own; RUN_DIR/control.json (mode 0600) says where: the Ray cluster's address, the
-namespace and the name. Whoever can reach the Ray cluster can scale it, as with `ray job
-submit`. The driver reads a request once a step, after the step's metrics (`after_step`).
+`asyncrl scale` reaches the driver through the run's `RunControl` actor
+(asyncrl/control/run_control.py, which also carries `asyncrl stop`); the driver reads the
+requests once a step, after the step's metrics (`after_step`).
 
 Growing starts new engines while the run goes on, each in a placement group of its own (on a
 cluster with Ray's autoscaler, possibly a new node); they join the weight-broadcast group once
@@ -20,11 +19,8 @@ counted in the metrics (`engines/...`).
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import logging
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,31 +28,13 @@ from typing import Any
 import ray
 
 from asyncrl.config.schema import AutoscaleConfig, Config
-from asyncrl.config.validate import MAX_WORKERS
 from asyncrl.control.engine_pool import EnginePool
+from asyncrl.control.run_control import start_run_control
 from asyncrl.control.supervisor import Supervisor
 from asyncrl.control.worker_pool import WorkerPool, kill
-from asyncrl.messages import ScaleEvent
+from asyncrl.messages import ControlRequest, ScaleEvent
 
 logger = logging.getLogger(__name__)
-
-CONTROL_FILE = "control.json"
-
-
-class RunControl:
-    """The run's mailbox for `asyncrl scale` (a named Ray actor): the newest request wins."""
-
-    def __init__(self) -> None:
-        self.engines: int | None = None
-
-    def request_engines(self, n: int) -> None:
-        if not 1 <= n <= MAX_WORKERS:
-            raise ValueError(f"--engines {n}: must be in [1, {MAX_WORKERS}]")
-        self.engines = n
-
-    def take_request(self) -> int | None:
-        n, self.engines = self.engines, None
-        return n
 
 
 def autoscale_target(idle: list[tuple[float, float]], engines: int, rule: AutoscaleConfig) -> int:
@@ -78,7 +56,7 @@ def autoscale_target(idle: list[tuple[float, float]], engines: int, rule: Autosc
 
 class Elastic:
     def __init__(self, cfg: Config, run_dir: Path, engines: EnginePool, workers: WorkerPool, supervisor: Supervisor,
-                 take_request: Callable[[], int | None] | None = None):
+                 take_request: Callable[[], ControlRequest] | None = None):
         """`take_request`: where requests come from (default: a RunControl actor of the run's own,
         announced in RUN_DIR/control.json)."""
         self.cfg, self.engines, self.workers, self.supervisor = cfg, engines, workers, supervisor
@@ -86,6 +64,7 @@ class Elastic:
         self.idle: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.rule.window_steps)
         self.cooldown = 0  # steps before the rule may fire again
         self.wanted: tuple[int, str] | None = None  # a request not applied yet, and its reason
+        self.stop_requested = False  # `asyncrl stop`: the driver ends the run after this step
         self.control = None
         if take_request is None:
             self.control = start_run_control(Path(run_dir))
@@ -94,10 +73,11 @@ class Elastic:
 
     def after_step(self, step: int, metrics: dict[str, Any]) -> None:
         """Take a request (`asyncrl scale`, else the autoscale rule's) and apply it unless
-        engines are still starting (then it waits)."""
+        engines are still starting (then it waits); note an `asyncrl stop`."""
         asked = self.take_request()
-        if asked is not None:
-            self.wanted = (asked, "asyncrl scale")
+        self.stop_requested |= asked.stop
+        if asked.engines is not None:
+            self.wanted = (asked.engines, "asyncrl scale")
         if self.rule.enabled:
             self.idle.append((metrics.get("idle/trainer", 0.0), metrics.get("idle/engines", 0.0)))
             self.cooldown = max(0, self.cooldown - 1)
@@ -128,41 +108,3 @@ class Elastic:
     def close(self) -> None:
         if self.control is not None:
             kill(self.control)
-
-
-def start_run_control(run_dir: Path) -> Any:
-    """The run's RunControl actor, in a namespace of its own, announced in RUN_DIR/control.json."""
-    where = {"address": ray.get_runtime_context().gcs_address, "namespace": f"asyncrl-{uuid.uuid4().hex[:12]}",
-             "name": "asyncrl-control"}
-    control = ray.remote(RunControl).options(name=where["name"], namespace=where["namespace"], num_cpus=0).remote()
-    path = run_dir / CONTROL_FILE
-    path.write_text(json.dumps(where) + "\n")
-    path.chmod(0o600)
-    return control
-
-
-def request_engines(run_dir: Path, n: int) -> None:
-    """Ask the run in `run_dir` for `n` engines (through its RunControl actor)."""
-    path = Path(run_dir) / CONTROL_FILE
-    if not path.is_file():
-        raise SystemExit(f"asyncrl scale: {path} not found (is a run going on in {run_dir}?)")
-    where = json.loads(path.read_text())
-    ray.init(address=where["address"], namespace=where["namespace"], logging_level=logging.WARNING,
-             log_to_driver=False)
-    try:
-        control = ray.get_actor(where["name"], namespace=where["namespace"])
-    except ValueError:
-        raise SystemExit(f"asyncrl scale: the run of {run_dir} is over (no {where['name']} on its cluster)") from None
-    ray.get(control.request_engines.remote(n))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="asyncrl scale", description="grow or shrink a running job's engines")
-    parser.add_argument("run_dir", type=Path, help="the run's output directory (run.output_dir)")
-    parser.add_argument("--engines", type=int, required=True, help="how many engines the run should have")
-    args = parser.parse_args()
-    if not 1 <= args.engines <= MAX_WORKERS:
-        parser.error(f"--engines {args.engines}: must be in [1, {MAX_WORKERS}]")
-    request_engines(args.run_dir, args.engines)
-    print(f"asked the run in {args.run_dir} for {args.engines} engine(s); it applies the request after its "
-          f"current step (RUN_DIR/scale.jsonl records it)")
