@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any
-
-import ray
 
 from asyncrl.config.validate import MAX_WORKERS
 from asyncrl.messages import ControlRequest
@@ -46,9 +45,13 @@ class RunControl:
 
 
 def start_run_control(run_dir: Path) -> Any:
-    """The run's RunControl actor, in a namespace of its own, announced in RUN_DIR/control.json."""
+    """The run's RunControl actor, in a namespace of its own, announced in RUN_DIR/control.json
+    (with Ray's authentication mode: a local cluster uses token authentication, the token in
+    ~/.ray/auth_token, and a client must ask for it before it imports Ray)."""
+    import ray
+
     where = {"address": ray.get_runtime_context().gcs_address, "namespace": f"asyncrl-{uuid.uuid4().hex[:12]}",
-             "name": "asyncrl-control"}
+             "name": "asyncrl-control", "auth_mode": os.environ.get("RAY_AUTH_MODE", "")}
     control = ray.remote(RunControl).options(name=where["name"], namespace=where["namespace"], num_cpus=0).remote()
     path = run_dir / CONTROL_FILE
     path.write_text(json.dumps(where) + "\n")
@@ -62,6 +65,10 @@ def _control(run_dir: Path, command: str) -> Any:
     if not path.is_file():
         raise SystemExit(f"asyncrl {command}: {path} not found (is a run going on in {run_dir}?)")
     where = json.loads(path.read_text())
+    if where.get("auth_mode"):
+        os.environ.setdefault("RAY_AUTH_MODE", where["auth_mode"])
+    import ray  # after RAY_AUTH_MODE: Ray reads it when it loads
+
     ray.init(address=where["address"], namespace=where["namespace"], logging_level=logging.WARNING,
              log_to_driver=False)
     try:
@@ -78,7 +85,8 @@ def scale_main() -> None:
     args = parser.parse_args()
     if not 1 <= args.engines <= MAX_WORKERS:
         parser.error(f"--engines {args.engines}: must be in [1, {MAX_WORKERS}]")
-    ray.get(_control(args.run_dir, "scale").request_engines.remote(args.engines))
+    control = _control(args.run_dir, "scale")
+    control.request_engines.remote(args.engines).future().result(timeout=60)
     print(f"asked the run in {args.run_dir} for {args.engines} engine(s); it applies the request after its "
           f"current step (RUN_DIR/scale.jsonl records it)")
 
@@ -88,5 +96,5 @@ def stop_main() -> None:
                                      "(final evaluation, export and summary as at its last step)")
     parser.add_argument("run_dir", type=Path, help="the run's output directory (run.output_dir)")
     args = parser.parse_args()
-    ray.get(_control(args.run_dir, "stop").request_stop.remote())
+    _control(args.run_dir, "stop").request_stop.remote().future().result(timeout=60)
     print(f"asked the run in {args.run_dir} to stop after its current step")
