@@ -43,7 +43,7 @@ class BenchConfig:
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
     # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing)
-    engine_schedule: list[list[int]] = field(default_factory=lambda: [[3, 16], [7, 4]])
+    engine_schedule: list[list[int]] = field(default_factory=lambda: [[3, 16], [7, 4], [11, 8]])
     steps_after_scale: int = 3  # elastic bench: steps after the last change, then `asyncrl stop`
     # staleness bench: the grid (staleness held exactly at each k; every loss; every seed), the
     # steps of every run, its evaluations, and the pause modes of free-running runs (none: none).
