@@ -34,8 +34,10 @@ TAG_ENV = "ASYNCRL_ELASTIC_BENCH"
 
 
 def _last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return max((r["step"] for r in read_metrics(run_dir) if "train/staleness_max" in r), default=0) if path.exists() else 0
+    """The newest step logged (every trainer logs its staleness; the simulated one no loss)."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return 0
+    return max((r["step"] for r in read_metrics(run_dir) if "train/staleness_max" in r), default=0)
 
 
 def _scale_events(run_dir: Path) -> list[dict[str, Any]]:
