@@ -56,7 +56,13 @@ def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             if p.environ().get(variable) == tag:
                 found[p.pid] = p
-                found.update((c.pid, c) for c in p.children(recursive=True))
+    stack = list(found.values())
+    while stack:  # one child at a time: a process that ends meanwhile must not hide its siblings' subtrees
+        with contextlib.suppress(psutil.Error):
+            for child in stack.pop().children():
+                if child.pid not in found:
+                    found[child.pid] = child
+                    stack.append(child)
     live = []
     for p in found.values():
         with contextlib.suppress(psutil.Error):
