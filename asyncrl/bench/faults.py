@@ -47,11 +47,16 @@ VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker",
 KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 
-def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
+def tagged(tag: str, variable: str = TAG_ENV, roots: tuple[int, ...] = ()) -> list[psutil.Process]:
     """The live processes whose environment carries `variable`=tag (every process a run starts
-    inherits its environment), and their descendants: a process title set with setproctitle may
-    overwrite the environment that /proc shows (seen on vLLM's engine core and Ray's agents)."""
+    inherits its environment), the processes `roots` (pids: the run's own process), and all their
+    descendants: /proc may show a process's environment empty (setproctitle can overwrite it, as
+    on vLLM's engine core and Ray's agents; and a make test run once read no tag at all), while
+    the process tree always holds."""
     found: dict[int, psutil.Process] = {}
+    for pid in roots:
+        with contextlib.suppress(psutil.Error):
+            found[pid] = psutil.Process(pid)
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
             if p.environ().get(variable) == tag:
@@ -71,8 +76,8 @@ def tagged(tag: str, variable: str = TAG_ENV) -> list[psutil.Process]:
     return live
 
 
-def kill_all(tag: str, variable: str = TAG_ENV) -> None:
-    for p in tagged(tag, variable):
+def kill_all(tag: str, variable: str = TAG_ENV, roots: tuple[int, ...] = ()) -> None:
+    for p in tagged(tag, variable, roots):
         with contextlib.suppress(psutil.Error):
             p.kill()
     deadline = time.monotonic() + 60
@@ -80,20 +85,20 @@ def kill_all(tag: str, variable: str = TAG_ENV) -> None:
         time.sleep(0.5)
 
 
-def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV) -> None:
+def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV, roots: tuple[int, ...] = ()) -> None:
     """SIGKILL one process of this kind among those tagged `variable`=tag; on a busy machine one
     may be unreadable for a moment (or, after an earlier fault, still starting), so look again
     for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
-        for p in tagged(tag, variable):
+        for p in tagged(tag, variable, roots):
             with contextlib.suppress(psutil.Error):
                 if VICTIMS[kind] in " ".join(p.cmdline()):
                     p.send_signal(signal.SIGKILL)
                     return
         if time.monotonic() > deadline:
             seen = []
-            for p in tagged(tag, variable):
+            for p in tagged(tag, variable, roots):
                 with contextlib.suppress(psutil.Error):
                     seen.append(" ".join(p.cmdline())[:60])
             raise RuntimeError(f"no {VICTIMS[kind]} process of the run to kill among {seen}")
@@ -153,11 +158,10 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                             _check_running(proc, f"before the {earlier} fault was recovered from", logs)
                             time.sleep(0.5)
                     injected[kind] = {"step": _last_step(run_dir)}
-                    proc.kill()
-                    kill_all(tag)
+                    kill_all(tag, roots=(proc.pid,))  # the driver and every process under it, at once
                     break
                 seen = len(_events(run_dir, kind))
-                kill_one(tag, kind)
+                kill_one(tag, kind, roots=(proc.pid,))
                 injected[kind] = {"step": _last_step(run_dir), "recoveries_before": seen}
                 print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
                       flush=True)
