@@ -153,7 +153,8 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     assert result["prompts_restarted"]["run"] == 0
     # the dead worker's groups continued from its mirror (keep mode mirrors the finished samples of
     # unfinished groups at each sync; tests/test_rollout_worker_logic.py checks what a mirror holds)
-    assert result["tokens_kept"]["rollout_worker"] >= 0 and result["tokens_lost"]["rollout_worker"] >= 0
+    # (how many tokens depends on timing; here: the worker's event reports both figures)
+    assert set(result["tokens_kept"]) == set(result["tokens_lost"]) == {"rollout_worker"}
     summary = check_run(tmp_path / "run", eta=2, steps=16, plots=True, faults=True)
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]

@@ -344,8 +344,11 @@ def test_a_checkpoint_holds_each_unfinished_group_and_another_worker_continues_i
         holder.engine = ScriptedInference(reply, first.tokenizer)
         await first.submit([problem], n=4)
         await holder.engine.wait_for_requests(4)
-        while first.get_stats().trajectories_finished < 1:  # the first sample's reward is scored in a thread
-            await asyncio.sleep(0.01)
+        async def first_scored() -> None:  # the first sample's reward is scored in a thread
+            while first.get_stats().trajectories_finished < 1:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(first_scored(), timeout=60)
         # a mirror while loops run (keep mode's, at a sync) holds the finished sample only
         (running,) = await first.mirror()
         assert sum(t is not None for t in running.trajectories) == 1 and running.snapshots == {}
