@@ -45,7 +45,12 @@ STEP_TIMEOUT_S = 240
 
 def overrides(device: str) -> list[str]:
     """The same trainer settings on both devices; only the device (and so the dtype) differs."""
-    return ["recipe=arith", "trainer=megatron_gpu", f"cluster.device={device}", "trainer.micro_batch_size=4"]
+    # the trainer reads no data here (fixed_groups feeds it): a one-row file keeps validation from
+    # needing reasoning-gym, which the bare GPU machine lacks
+    rows = Path(tempfile.gettempdir()) / "asyncrl-gpu-check.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return ["recipe=arith", "trainer=megatron_gpu", f"cluster.device={device}", "trainer.micro_batch_size=4",
+            "data.source=file", f"data.path={rows}", "data.prompt_template='{question}'"]
 
 
 def free_port() -> int:

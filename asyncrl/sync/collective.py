@@ -224,12 +224,13 @@ def cupy_nccl():
     return nccl
 
 
-# NCCL's unique id is 128 chars; cupy gives and takes it as a tuple of ints (signed on x86).
+# NCCL's unique id is 128 chars. cupy 13 gives and takes it as a tuple of ints (signed on x86);
+# cupy 14 takes bytes (seen on an H200 with cupy-cuda13x 14.2.0: "commId ... expected bytes").
 NCCL_UID_BYTES = 128
 NCCL_UID_KEY = "asyncrl/nccl_unique_id"
 
 
-def encode_nccl_uid(uid: tuple[int, ...]) -> bytes:
+def encode_nccl_uid(uid: tuple[int, ...] | bytes) -> bytes:
     if len(uid) != NCCL_UID_BYTES:
         raise ValueError(f"an NCCL unique id has {NCCL_UID_BYTES} bytes, got {len(uid)}")
     return bytes(b & 0xFF for b in uid)
@@ -255,12 +256,15 @@ class CupyNcclGroup:
                                                 timeout=timedelta(seconds=timeout_s))
         if rank == 0:
             self.store.set(NCCL_UID_KEY, encode_nccl_uid(nccl.get_unique_id()))
-        uid = decode_nccl_uid(self.store.get(NCCL_UID_KEY))
+        uid = self.store.get(NCCL_UID_KEY)
         import cupy
 
         # the communicator lives on cupy's current device: make it torch's (a vLLM worker's own GPU)
         with cupy.cuda.Device(torch.cuda.current_device()):
-            self.comm = nccl.NcclCommunicator(world_size, uid, rank)
+            try:
+                self.comm = nccl.NcclCommunicator(world_size, uid, rank)
+            except TypeError:  # cupy < 14: a tuple of ints
+                self.comm = nccl.NcclCommunicator(world_size, decode_nccl_uid(uid), rank)
         self._uint8 = nccl.NCCL_UINT8
 
     def broadcast(self, buffer: torch.Tensor) -> _CudaWork:

@@ -22,6 +22,7 @@ What the conversion is not known to do exactly (docs/models.md) is refused by
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
@@ -128,8 +129,10 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         # norms (no TE: CPU) refuse sequence parallelism: there megatron_cpu lifts the MoE guard.
         sequence_parallel=moe and use_te and mpu.get_tensor_model_parallel_world_size() > 1,
         use_cpu_initialization=cpu,
-        # The fused softmax kernels are CUDA-only; megatron falls back to torch when off.
-        masked_softmax_fusion=not cpu,
+        # Megatron's fused softmax is a CUDA extension of its own (scaled_masked_softmax_cuda), not
+        # in its wheel: on, without it, the first attention fails (seen on an H200, docs/gpu.md).
+        # Off, megatron's local attention uses torch's softmax; TE's attention has its own kernels.
+        masked_softmax_fusion=not cpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         bias_dropout_fusion=not cpu,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,

@@ -98,11 +98,14 @@ class RouterStats:
             same = (own == engine).all(-1)[self._valid]
             self.agree[layer] += torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64)
 
-    def reduce(self, tp_size: int) -> dict[str, float]:
-        """Metrics over every rank's tokens (TP ranks hold copies; PP stages hold their own layers)."""
+    def reduce(self, tp_size: int, device: torch.device | None = None) -> dict[str, float]:
+        """Metrics over every rank's tokens (TP ranks hold copies; PP stages hold their own layers).
+        `device`: where the collective runs (NCCL reduces CUDA tensors only)."""
         vec = torch.cat([self.tokens.flatten(), self.probs.flatten(), self.agree.flatten()])
         if torch.distributed.is_initialized():
+            vec = vec.to(device or vec.device)
             torch.distributed.all_reduce(vec)
+            vec = vec.cpu()
         vec /= tp_size
         n = self.num_layers * self.num_experts
         tokens, probs, agree = vec[:n].view_as(self.tokens), vec[n:2 * n].view_as(self.probs), vec[2 * n:].view(-1, 2)

@@ -257,7 +257,7 @@ class TrainerRank:
         metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
         if self.router_stats is not None:
-            metrics.update(self.router_stats.reduce(1 if self.sequence_parallel else self.tp_size))
+            metrics.update(self.router_stats.reduce(1 if self.sequence_parallel else self.tp_size, self.device))
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/step_s"] = time.monotonic() - t0
@@ -382,11 +382,13 @@ class TrainerRank:
         """Sum/max over all ranks (TP ranks hold copies: divided out) into means per trained token."""
         names = sorted(set(sums) | {"clip_fraction", "clip_low", "clip_high", "ratio", "is_weight", "staleness",
                                     "is_weight_truncated", "entropy", "mismatch_kl", "kl_ref"})
-        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [loss, float(tokens)], dtype=torch.float64)
+        # on the rank's device: NCCL reduces CUDA tensors only
+        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [loss, float(tokens)], dtype=torch.float64,
+                           device=self.device)
         torch.distributed.all_reduce(vec)
         vec /= self.tp_size
         max_names = sorted(set(maxima) | {"ratio", "is_weight", "staleness", "mismatch_abs_logratio"})
-        mvec = torch.tensor([maxima.get(n, 0.0) for n in max_names], dtype=torch.float64)
+        mvec = torch.tensor([maxima.get(n, 0.0) for n in max_names], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(mvec, op=torch.distributed.ReduceOp.MAX)
         total = float(vec[-1])
         out = {f"train/{n}_mean": float(v) / max(total, 1.0) for n, v in zip(names, vec[:-2].tolist())}
