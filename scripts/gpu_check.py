@@ -276,8 +276,9 @@ def main_check() -> int:
 
 
 def _commit() -> str:
+    # "-dirty" when the tree is not its HEAD's (a copied working tree: name the commit it matches)
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               cwd=REPO).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
