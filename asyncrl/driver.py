@@ -47,7 +47,7 @@ from asyncrl.control.worker_pool import WorkerPool, kill
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.messages import Admitted, FaultEvent, QueueStats, error_line
 from asyncrl.metrics import length_histogram, reward_metrics
-from asyncrl.monitoring.run_log import RunLog
+from asyncrl.monitoring.run_log import RunLog, eval_overlap
 from asyncrl.sync.weight_sync import EnginesFailed
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused
 from asyncrl.trainer.trainer_group import TrainerRankDied
@@ -351,7 +351,7 @@ class Driver:
             "samples": self.samples, "policy_version": self.version, "final_policy": export,
             "metrics": str(self.log.path), "prompts": self.prompts.counts(),
             "max_staleness": self.cfg.algorithm.max_staleness, "prompts_trained_twice": self.prompts.trained_twice(),
-            "duplicates_dropped": self.prompts.duplicates_dropped,
+            "duplicates_dropped": self.prompts.duplicates_dropped, "eval_overlap": eval_overlap(self.log.records()),
             "faults": [f.to_dict() for f in self.supervisor.faults],
             "scale_events": [e.to_dict() for e in self.supervisor.scale_events],
             "placement": self.placement.nodes(),  # actor -> the Ray node its bundle is on

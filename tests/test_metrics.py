@@ -64,3 +64,15 @@ def test_length_histogram_bins_usable_responses_by_their_lower_edge():
     group = TrajectoryGroup("g", "p", [traj(3), traj(8), traj(15), traj(16), traj(20, TrajectoryStatus.FAILED)])
     assert length_histogram([group, group]) == {0: 2, 8: 4, 16: 2}  # the failed response counts nowhere
     assert length_histogram([]) == {}
+
+
+def test_eval_overlap_compares_the_steps_an_evaluation_ran_beside_with_the_others():
+    from asyncrl.monitoring.run_log import eval_overlap
+
+    rates = {1: 100.0, 2: 90.0, 3: 50.0, 4: 70.0, 5: 110.0, 6: 80.0}
+    records = [{"step": s, "throughput/samples_per_s": v} for s, v in rates.items()]
+    # started at step 2, logged at step 4: it overlapped steps 3 and 4
+    records.append({"step": 4, "eval/started_step": 2, "eval/greedy_accuracy": 0.5})
+    out = eval_overlap(records)
+    assert out == {"steps": 2, "samples_per_s": 60.0, "samples_per_s_other_steps": 95.0, "ratio": 60.0 / 95.0}
+    assert eval_overlap(records[:6]) is None  # no evaluation beside training

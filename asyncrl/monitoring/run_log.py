@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class RunLog:
             self._bar.n = step
             self._bar.refresh()
 
+    def records(self) -> list[dict[str, Any]]:
+        """Everything logged so far (metrics.jsonl, read back)."""
+        return read_metrics(self.run_dir)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -77,6 +82,24 @@ class RunLog:
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def eval_overlap(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """What evaluations beside training cost the rollouts: the median samples/s of the steps an
+    evaluation overlapped (after the step it started at, up to the one that logged it) and of
+    the others, and their ratio. None without both kinds of step."""
+    overlapped: set[int] = set()
+    for r in records:
+        if r.get("eval/started_step") is not None:
+            overlapped.update(range(int(r["eval/started_step"]) + 1, int(r["step"]) + 1))
+    rates = {r["step"]: r["throughput/samples_per_s"] for r in records
+             if isinstance(r.get("throughput/samples_per_s"), (int, float))}
+    during = [v for s, v in rates.items() if s in overlapped]
+    others = [v for s, v in rates.items() if s not in overlapped]
+    if not during or not others:
+        return None
+    a, b = statistics.median(during), statistics.median(others)
+    return {"steps": len(during), "samples_per_s": a, "samples_per_s_other_steps": b, "ratio": a / b}
 
 
 def _plain(v: Any) -> Any:
