@@ -216,6 +216,8 @@ def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stre
     elif cfg.algorithm.routing_replay == "r3" or checkpoint_model_type(cfg.model.path) in MOE_MODEL_TYPES:
         # MoE: the engines return routes, for the trainer to replay (r3) or to compare its own with
         extra = {"return_routes": True}
+    if not issubclass(engine_class, SimEngine) and cfg.trainer.lora.rank:
+        extra["lora_rank"] = cfg.trainer.lora.rank  # the policy arrives as LoRA adapters
     return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
             .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream,
                     **extra))

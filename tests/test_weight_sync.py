@@ -110,3 +110,65 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
         if trainer is not None:
             trainer.shutdown()
         kill_actors(engines, shutdown=True)
+
+
+def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster, base_model, tmp_path):
+    """trainer.lora: the syncs carry only the adapters (PEFT names), which the engine registers
+    from memory as a vLLM LoRA adapter per version; it then generates what HF generates from the
+    trainer's merged export, and the exported PEFT adapter is exactly that merge."""
+    import json
+
+    import safetensors.torch
+
+    cfg = load_config(["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2"])
+    tok = AutoTokenizer.from_pretrained(base_model)
+    trainer, engines = None, []
+    try:
+        engines = actors.create_engines(cfg, stream=True)
+        (engine,) = engines
+        started = engine.start.remote()
+        trainer = actors.create_trainer(cfg)
+        setup = trainer.setup()
+        ray.get(started)
+        # PEFT's A and B per projection, rank 8, hidden 128, MLP 512: q, k, v, o 8 x 128 + 128 x 8 each;
+        # gate, up 8 x 128 + 512 x 8, down 8 x 512 + 128 x 8; 4 layers of float32 (the whole model: 4.5 MB)
+        assert setup.weight_bytes == 4 * 4 * (4 * 2 * 8 * 128 + 3 * 8 * (128 + 512)) == 376_832
+        sync = actors.create_weight_sync(cfg, trainer, [engine])
+        sync.connect()
+        ids = [tok.encode(p) for p in PROMPTS]
+        base = AutoModelForCausalLM.from_pretrained(base_model).eval()
+        before = [greedy_engine(engine, x, f"b{i}").token_ids for i, x in enumerate(ids)]
+        assert before == [greedy_hf(base, x)[:len(b)] for x, b in zip(ids, before)]
+        generated = [before]
+        for version in (1, 2):
+            for step in range(3):
+                result = trainer.train_step(make_groups(tok, seed=10 * version + step), version - 1)
+                assert result.tokens > 0 and result.metrics["train/grad_norm"] > 0
+            timings = sync.sync(version=version, pause_mode="abort")
+            assert timings.load_paths == ["adapter"]
+            generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
+                                                                  tmp_path / f"hf-{version}"))
+            assert generated[-1] != generated[-2]
+            # and the engine's logprobs under adapter `version` are the merged policy's
+            r = greedy_engine(engine, ids[0], f"lp-{version}")
+            hf = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{version}").eval()
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids[0] + r.token_ids])).logits[0, len(ids[0]) - 1:-1]
+            want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(r.logprobs), want, rtol=0, atol=1e-4)
+        # The exported adapter (PEFT's format) is the merge: base + alpha / r * B A, per projection.
+        out = tmp_path / "hf-2"
+        merged = safetensors.torch.load_file(out / "model.safetensors")
+        adapter = safetensors.torch.load_file(out / "adapter" / "adapter_model.safetensors")
+        config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+        assert config["r"] == 8 and config["lora_alpha"] == 16 and len(adapter) == 4 * 7 * 2
+        for name, w in base.state_dict().items():
+            stem = f"base_model.model.{name.removesuffix('.weight')}"
+            a = adapter.get(f"{stem}.lora_A.weight")
+            expected = w if a is None else w + 2.0 * adapter[f"{stem}.lora_B.weight"] @ a
+            if name in merged:
+                torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-6)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        kill_actors(engines, shutdown=True)

@@ -22,6 +22,8 @@ DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
 PAUSE_MODES = ("abort", "keep")
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names
+MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
 MOE_MODEL_TYPES = ("qwen3_moe",)  # the mixture-of-experts model types the megatron trainer loads
 AGGREGATIONS = ("token", "sequence")
@@ -249,6 +251,18 @@ class SimTrainerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """trainer.lora: train low-rank adapters on the frozen base model (docs/lora.md)."""
+    rank: int = 0  # 0: full fine-tuning
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0
+    # megatron's layer names (as Megatron-Bridge's LoRA): linear_qkv (q, k, v), linear_proj (o),
+    # linear_fc1 (gate, up), linear_fc2 (down)
+    target_modules: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                                 "linear_fc2"])
+
+
+@dataclass
 class TrainerConfig:
     backend: str = "megatron"
     tensor_parallel_size: int = 1
@@ -277,6 +291,7 @@ class TrainerConfig:
     # Tensors of at least this size travel alone, so that engines can receive them straight into their parameters.
     weight_sync_in_place_mb: float = 1.0
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)
 
 

@@ -28,8 +28,10 @@ from asyncrl.config.schema import (
     DTYPES,
     ENGINE_BACKENDS,
     LOG_LEVELS,
+    LORA_TARGET_MODULES,
     LOSS_TYPES,
     LR_SCHEDULES,
+    MAX_LORA_RANK,
     MOE_MODEL_TYPES,
     PAUSE_MODES,
     ROUTING_REPLAYS,
@@ -248,6 +250,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         need(0 <= getattr(t, name) < 1, f"trainer.{name}", getattr(t, name), "must be in [0, 1)")
     need(t.adam_eps > 0, "trainer.adam_eps", t.adam_eps, "must be > 0")
+    _check_lora(c, need, within)
 
     # algorithm
     a = c.algorithm
@@ -409,6 +412,25 @@ def _floats(key: str, value: Any) -> Iterator[tuple[str, float]]:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _floats(f"{key}[{i}]", v)
+
+
+def _check_lora(c: Config, need, within) -> None:
+    lora = c.trainer.lora
+    within("trainer.lora.rank", lora.rank, 0, MAX_LORA_RANK, "0: full fine-tuning")
+    if lora.rank <= 0:
+        return
+    need(lora.alpha > 0, "trainer.lora.alpha", lora.alpha, "must be > 0 (adapters' outputs are scaled by alpha / rank)")
+    need(0 <= lora.dropout < 1, "trainer.lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = list(lora.target_modules)
+    need(bool(targets) and set(targets) <= set(LORA_TARGET_MODULES) and len(set(targets)) == len(targets),
+         "trainer.lora.target_modules", targets, f"distinct names among {list(LORA_TARGET_MODULES)}, at least one")
+    need(c.trainer.backend == "megatron", "trainer.lora.rank", lora.rank,
+         f"LoRA trains on the megatron trainer (trainer.backend={c.trainer.backend})")
+    need(c.trainer.pipeline_parallel_size == 1, "trainer.lora.rank", lora.rank,
+         "LoRA with trainer.pipeline_parallel_size > 1 is not supported yet")
+    need(c.algorithm.pause_mode == "abort", "algorithm.pause_mode", c.algorithm.pause_mode,
+         "with trainer.lora the engines switch adapters at a sync: abort (a kept request would go on with "
+         "the old adapter under the new version)")
 
 
 def _check_data(key: str, d: Any, problems: list[str]) -> None:

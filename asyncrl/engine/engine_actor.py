@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Awaitable
@@ -84,8 +85,13 @@ class EngineActor:
     worker_extension = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
-                 stream_outputs: bool = True, return_routes: bool = False):
+                 stream_outputs: bool = True, return_routes: bool = False, lora_rank: int = 0):
         self.engine_id = engine_id
+        # trainer.lora: the base model stays; each sync brings the policy as a LoRA adapter
+        # (registered from memory as id version + 1), which every request then uses.
+        self.lora_rank = lora_rank
+        self._adapter_config: dict | None = None  # PEFT's adapter_config, from init_weight_group
+        self._lora_request = None  # the current policy's vLLM LoRARequest; None: the base model
         # Routing replay (R3): each result carries the experts its tokens were routed to.
         self.return_routes = return_routes
         self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
@@ -123,7 +129,7 @@ class EngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device)
+        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.lora_rank)
         if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
             kwargs["enable_prefix_caching"] = False
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)
@@ -220,7 +226,8 @@ class EngineActor:
         self._outstanding.add(request_id)
         self._idle.clear()
         try:
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id)
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id,
+                                        lora_request=self._lora_request)
             async for out in stream:
                 # 2) stamp each delta with the weights' version at arrival
                 completion = out.outputs[0]
@@ -354,12 +361,21 @@ class EngineActor:
         return self.cfg.tensor_parallel_size
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                plan_wire: list, timeout_s: float) -> None:
+                                plan_wire: list, timeout_s: float, adapter_config: dict | None = None) -> None:
         """Check the trainer's bucket plan against this model, then join the broadcast group
-        (each worker keeps the plan: every later broadcast follows it)."""
+        (each worker keeps the plan: every later broadcast follows it). `adapter_config`: the
+        broadcasts carry a LoRA adapter of the base model (PEFT's config and names)."""
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
-        self._check_specs(specs)
+        if (adapter_config is not None) != bool(self.lora_rank):
+            sends = "an adapter" if adapter_config else "whole weights"
+            raise ValueError(f"engine-{self.engine_id}: the trainer sends {sends} but this engine was started "
+                             f"{'with' if self.lora_rank else 'without'} LoRA")
+        if adapter_config is not None:
+            self._check_adapter_specs(specs, int(adapter_config["r"]))
+            self._adapter_config = adapter_config
+        else:
+            self._check_specs(specs)
         await self._watched(self._llm.collective_rpc(
             "asyncrl_init_weight_group", args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s)))
         self._joined = True
@@ -380,7 +396,12 @@ class EngineActor:
         pause = self._pause_core(pause_mode)
         if not (pause_mode == "abort" and self._pause_is_immediate):
             await self._watched(pause)
-        receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
+        if self._adapter_config is not None:
+            receive = asyncio.ensure_future(self._llm.collective_rpc(
+                "asyncrl_receive_adapter", args=(version + 1, self._adapter_config)))
+        else:
+            receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
+        previous = self._lora_request
         await self._watched(pause)
         await self._drain_aborted(pause_mode, t0)
         t1 = time.monotonic()
@@ -393,6 +414,7 @@ class EngineActor:
             t2 = time.monotonic()
             await self._watched(resume)
             self.version = version
+            self._use_adapter(version)
             self._accepting.set()
         else:
             # `keep`: the frozen requests go on at the core's resume, and their tokens must
@@ -400,8 +422,11 @@ class EngineActor:
             results = await self._watched(receive)
             t2 = time.monotonic()
             self.version = version
+            self._use_adapter(version)
             await self.resume()
         t3 = time.monotonic()
+        if previous is not None and previous.lora_int_id != version + 1:  # no request is on it: all aborted
+            await self._watched(self._llm.remove_lora(previous.lora_int_id))
         checksums = results[0]["checksums"]
         if any(r["checksums"] != checksums for r in results[1:]):
             raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
@@ -411,6 +436,32 @@ class EngineActor:
                                   load_s=first["load_s"], resume_s=t3 - t2, paused_s=t3 - t0,
                                   load_path=first["load_path"], in_place_bytes=first["in_place_bytes"],
                                   checksums=checksums)
+
+    def _use_adapter(self, version: int) -> None:
+        """New requests use the adapter of `version` (just received), if the policy is one."""
+        if self._adapter_config is not None:
+            from vllm.lora.request import LoRARequest
+
+            # vLLM tells adapters apart by name (and keys its prefix cache by it): one per version.
+            # The path is never read: the adapter is registered from memory (vllm_compat.register_lora).
+            self._lora_request = LoRARequest(f"asyncrl-policy-v{version}", version + 1,
+                                             f"/asyncrl/in-memory/v{version}")
+
+    def _check_adapter_specs(self, shapes: dict[str, tuple[int, ...]], rank: int) -> None:
+        """Each PEFT tensor must adapt a linear weight of the checkpoint: lora_A [rank, in], lora_B [out, rank]."""
+        problems = []
+        for name, shape in shapes.items():
+            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
+            base = self._expected_weights.get(f"{m.group(1)}.weight") if m else None
+            if base is None or len(base[0]) != 2:
+                problems.append(f"{name}: adapts no linear weight of the checkpoint")
+                continue
+            out, inp = base[0]
+            want = (rank, inp) if m.group(2) == "A" else (out, rank)
+            if tuple(shape) != want:
+                problems.append(f"{name}: shape {tuple(shape)}, expected {want}")
+        if problems:
+            raise ValueError(f"engine-{self.engine_id}: refusing the adapter ({'; '.join(problems[:5])})")
 
     def _check_specs(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Refuse names or shapes that differ from the checkpoint: a failed reload kills vLLM."""

@@ -340,7 +340,7 @@ class SimEngine:
         return 1
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                plan_wire: list, timeout_s: float) -> None:
+                                plan_wire: list, timeout_s: float, adapter_config: dict | None = None) -> None:
         """Nothing to join: the broadcast is a wait of its simulated time."""
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:

@@ -52,11 +52,22 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts._padded_intermediate_size"),
+    ("vllm.lora.lora_model", "LoRAModel.from_lora_tensors"),
+    ("vllm.lora.peft_helper", "PEFTHelper.from_dict"),
+    ("vllm.lora.peft_helper", "PEFTHelper.validate_legal"),
+    ("vllm.lora.model_manager", "LoRAModelManager.add_adapter"),
+    ("vllm.lora.model_manager", "LoRAModelManager.remove_adapter"),
+    ("vllm.lora.model_manager", "LoRAModelManager.capacity"),
 ]
 
 # What no attribute lookup shows (instance attributes, wrappers, hooks, environment
 # variables): (module, attribute path or "" for the module, text its source must contain).
 SOURCE_FACTS: list[tuple[str, str, str]] = [
+    # register_lora: the worker's LoRA managers, and a registered id is never read from its path.
+    ("vllm.v1.worker.lora_model_runner_mixin", "", "self.lora_manager = LRUCacheWorkerLoRAManager("),
+    ("vllm.lora.worker_manager", "WorkerLoRAManager.__init__", "self._adapter_manager"),
+    ("vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager.add_adapter",
+     "lora_request.lora_int_id not in self.list_adapters()"),
     ("vllm.v1.engine.async_llm", "AsyncLLM", "self.vllm_config = "),
     ("vllm.v1.engine.async_llm", "AsyncLLM", "self.engine_core = "),
     ("vllm.v1.worker.worker_base", "WorkerBase", "self.rank = "),
@@ -328,3 +339,37 @@ class RouteRecorder:
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._chunks.pop(rid, None)
+
+
+def register_lora(worker: Any, lora_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """Register PEFT-named adapter tensors as LoRA `lora_id` in a worker, from memory (vLLM 0.32
+    loads adapters from files only: its worker's _load_adapter, without the file reads). A
+    request then names the id with any path: the worker never reads it for a registered id.
+    Returns the number of adapted modules."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("the engine was started without LoRA (enable_lora)")
+    models = manager._adapter_manager
+    peft = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    peft.validate_legal(manager.lora_config)  # rank <= max_lora_rank
+    mapper = getattr(models.model, "hf_to_vllm_mapper", None)
+    # vLLM scales lora_B in place when it activates an adapter: it gets tensors of its own.
+    tensors = {k: v.detach().clone() for k, v in tensors.items()}
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id, tensors=tensors, peft_helper=peft, device="cpu", dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper else None,
+        skip_prefixes=getattr(models.model, "lora_skip_prefixes", None))
+    models.remove_adapter(lora_id)
+    if len(models) >= models.capacity:
+        # vLLM would evict the least recently used adapter, and a request still on it would kill
+        # the engine (its path is read then): refuse instead
+        raise RuntimeError(f"LoRA adapters full ({len(models)} of max_cpu_loras={models.capacity})")
+    models.add_adapter(lora)
+    unknown = sorted(set(lora.loras) - set(models.modules))
+    if unknown:  # from_lora_tensors does not check the names
+        models.remove_adapter(lora_id)
+        raise ValueError(f"LoRA adapter {lora_id}: modules not in the model: {unknown[:5]}")
+    return len(lora.loras)

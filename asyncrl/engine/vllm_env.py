@@ -37,8 +37,14 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         os.environ[ENABLE_V1_MULTIPROCESSING] = "0" if in_core else "1"
 
 
-def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str) -> dict:
-    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` from the engine config."""
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py, 0.32)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
+                       lora_rank: int = 0) -> dict:
+    """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` from the engine config. `lora_rank`
+    (the trainer's trainer.lora.rank; 0: none): serve the policy as LoRA adapters of that rank."""
     dtype = engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
     kwargs = dict(
         model=model_path,
@@ -55,6 +61,11 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if lora_rank:
+        # one adapter in a batch (a sync switches every request to the new one), and room for
+        # the new one to be registered before the old one is removed
+        kwargs.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank),
+                      max_loras=1, max_cpu_loras=2)
     return kwargs
 
 

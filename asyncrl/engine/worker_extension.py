@@ -94,6 +94,22 @@ class WeightLoaderExtension:
         return {"seconds": total, "receive_s": waited[0], "load_s": total - waited[0], "load_path": path,
                 "in_place_bytes": in_place_bytes[0], "checksums": checksums}
 
+    def asyncrl_receive_adapter(self, lora_id: int, adapter_config: dict) -> dict:
+        """Receive one broadcast of a LoRA adapter (PEFT names, in the group's bucket plan) and
+        register it as adapter `lora_id`, from memory. Returns what asyncrl_receive_weights does."""
+        t0 = time.monotonic()
+        checksums: dict[str, int] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket, _, sums in receive_buckets(self._asyncrl_group, self._asyncrl_bucket_plan,
+                                               vllm_compat.worker_device(self)):
+            checksums.update(zip((name for name, _ in bucket), sums))
+            tensors.update(bucket)
+        t1 = time.monotonic()
+        vllm_compat.register_lora(self, lora_id, adapter_config, tensors)
+        t2 = time.monotonic()
+        return {"seconds": t2 - t0, "receive_s": t1 - t0, "load_s": t2 - t1, "load_path": "adapter",
+                "in_place_bytes": 0, "checksums": checksums}
+
     def _asyncrl_replay(self, plan: BucketPlan) -> tuple[LoadPlan | None, dict[str, torch.Tensor]]:
         """The captured load, if a broadcast in `plan` can replay it (the same names and
         shapes), and the parameter views that replay receives tensors straight into; worked

@@ -60,12 +60,13 @@ class WeightSync:
         self.world_size = 1 + sum(workers)
         plan = self.trainer.weight_plan()
         self.plan = BucketPlan.from_wire(plan)
+        adapter = self.trainer.adapter_config()  # trainer.lora: the syncs carry an adapter
         # Every member must be joining at once: the trainer's store waits for all of them.
         refs = self.trainer.init_weight_group_async(host, port, self.world_size, self.backend)
         offset = 1
         for engine, n in zip(self.engines, workers):
             refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, plan,
-                                                        self.timeout_s))
+                                                        self.timeout_s, adapter))
             offset += n
         self.trainer.get(refs[:len(self.trainer.ranks)])
         ray.get(refs[len(self.trainer.ranks):])

@@ -58,6 +58,9 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     # What map_sequential_experts translates to: grouped-GEMM expert names, the expert id after ".weight".
     ("mbridge.models.qwen2moe", "Qwen2MoEBridge._weight_name_mapping_mlp", 'expert_id = name.split("weight")[-1]'),
     ("mbridge.core.bridge", "Bridge.export_weights", 'name_prefix, local_expert_id = name.split(".weight")'),
+    # What WeightsView stands in for: all the export reads of a model chunk.
+    ("mbridge.core.bridge", "Bridge.export_weights", "for name, param in model.named_parameters():"),
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_local_to_global", "model.state_dict().keys()"),
     ("mbridge.core.bridge", "Bridge.load_weights",
      "local_to_global_map = self._weight_name_mapping_mcore_local_to_global(model)"),
 ]
@@ -142,3 +145,24 @@ def model_provider(bridge: Any):
     """mbridge's GPTModel factory: `provider(pre_process=..., post_process=...)`."""
     # Bridge.get_model would call .cuda() on every module.
     return bridge._model_provider([])
+
+
+class WeightsView:
+    """A model chunk as mbridge's export (export_weights, save_weights) sees it, with some
+    parameters replaced (LoRA's merged weights) and some hidden (the adapters): that export reads
+    a chunk's named_parameters(), its state_dict()'s keys and decoder.layers, nothing else
+    (mbridge 0.15.1, SOURCE_FACTS); every other attribute is the chunk's."""
+
+    def __init__(self, model: Any, replace: dict[str, torch.Tensor], hide: set[str]):
+        self._model, self._replace, self._hide = model, replace, hide
+
+    def named_parameters(self):
+        for name, p in self._model.named_parameters():
+            if name not in self._hide:
+                yield name, self._replace.get(name, p)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {k: v for k, v in self._model.state_dict(*args, **kwargs).items() if k not in self._hide}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

@@ -86,6 +86,9 @@ class SimTrainerRank:
 
     # -- weights out: only their time --------------------------------------------------
 
+    def adapter_config(self) -> None:
+        return None  # simulated syncs carry whole weights
+
     def weight_plan(self) -> list:
         return []
 

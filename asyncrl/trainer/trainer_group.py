@@ -85,6 +85,10 @@ class TrainerGroup:
         """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""
         return self.on_ranks(lambda r: r.weight_plan.remote())
 
+    def adapter_config(self) -> dict | None:
+        """PEFT's adapter_config of what the syncs send (trainer.lora), or None: whole weights."""
+        return self.on_ranks(lambda r: r.adapter_config.remote())
+
     def init_weight_group_async(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
         return [r.init_weight_group.remote(host, port, world_size, backend) for r in self.ranks]
 

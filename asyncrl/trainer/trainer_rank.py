@@ -50,7 +50,7 @@ from asyncrl.sync.collective import (
     pack_buckets,
     send_buckets,
 )
-from asyncrl.trainer import moe_routing
+from asyncrl.trainer import lora, mbridge_compat, moe_routing
 from asyncrl.trainer.batch import (
     PackedBatch,
     assign_weights,
@@ -93,6 +93,8 @@ class TrainerRank:
         # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
         # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
         self._lag = PolicyLag(cfg.algorithm.policy_lag)
+        # trainer.lora: adapters on the frozen base; weight syncs and exports carry the adapters
+        self.lora = cfg.trainer.lora if cfg.trainer.lora.rank else None
 
     # -- setup ---------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class TrainerRank:
         # Sequence parallelism splits each packed row across the tensor-parallel ranks.
         self.sequence_parallel = self.bridge.config.sequence_parallel
         self.pack_multiple = self.tp_size if self.sequence_parallel else 1
-        self.model = self._wrap_ddp(self._load_model(build_gpt_model, path))
+        self.model = self._wrap_ddp(self._load_model(build_gpt_model, path, adapters=True))
         mc = self.bridge.config
         self.tp_fold_params = []  # MoE under TP without sequence parallelism (CPU): gradients divided by TP
         if self.on_cpu and mc.num_moe_experts and self.tp_size > 1 and not self.sequence_parallel:
@@ -171,9 +173,12 @@ class TrainerRank:
             logger.info("trainer ready in %.1fs: %s", info.setup_s, info)
         return info
 
-    def _load_model(self, build, path: str) -> list[torch.nn.Module]:
+    def _load_model(self, build, path: str, adapters: bool = False) -> list[torch.nn.Module]:
         chunks = build(self.bridge, self.device)
         self.bridge.load_weights(chunks, path)
+        if adapters and self.lora:  # before DDP and the optimizer: they take the trainable parameters
+            for c in chunks:
+                lora.apply_lora(c, self.lora, self.cfg.run.seed)
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
 
@@ -400,14 +405,25 @@ class TrainerRank:
     # -- weights out -----------------------------------------------------------------
 
     def _export(self):
-        """(HF name, full tensor) pairs; every rank must drain it (mbridge gathers TP shards)."""
+        """(HF name, full tensor) pairs; every rank must drain it (TP shards are gathered). With
+        trainer.lora: the adapters only, PEFT-named (the engines load them as a vLLM adapter)."""
+        if self.lora:
+            return (item for m in self._gpt_models() for item in lora.peft_tensors(m, self.bridge.config))
         return self.bridge.export_weights([m.module for m in self.model])
+
+    def _gpt_models(self) -> list[torch.nn.Module]:
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)
 
     def _export_specs(self) -> list[tuple[str, str, list[int]]]:
         return [(name, dtype_name(t.dtype), list(t.shape)) for name, t in self._export()]
 
     def weight_plan(self) -> list:
         return self.plan.to_wire()
+
+    def adapter_config(self) -> dict | None:
+        return lora.peft_config(self.lora, self.cfg.model.path) if self.lora else None
 
     def init_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 joins the broadcast group (`backend`: asyncrl.sync.collective.BACKENDS) as its
@@ -450,8 +466,18 @@ class TrainerRank:
         return time.monotonic() - t0
 
     def export_hf(self, out_dir: str) -> str:
-        """Write the current policy as a Hugging Face checkpoint (with the tokenizer files)."""
-        self.bridge.save_weights([m.module for m in self.model], out_dir)
+        """Write the current policy as a Hugging Face checkpoint (with the tokenizer files). With
+        trainer.lora: the adapters merged into the base weights, and the adapters alone in PEFT's
+        format in `out_dir`/adapter (adapter_config.json, adapter_model.safetensors)."""
+        if self.lora:
+            views = [mbridge_compat.WeightsView(m, *lora.merged_weights(m)) for m in self._gpt_models()]
+            self.bridge.save_weights(views, out_dir)
+            tensors = {name: t.cpu().clone() for name, t in self._export()}  # q, k, v share A: own copies
+            if self.rank == 0:
+                lora.save_peft_adapter(Path(out_dir) / "adapter", tensors,
+                                       lora.peft_config(self.lora, self.cfg.model.path))
+        else:
+            self.bridge.save_weights([m.module for m in self.model], out_dir)
         if self.rank == 0:
             src = Path(self.cfg.model.tokenizer_path or self.cfg.model.path)
             for name in TOKENIZER_FILES:
