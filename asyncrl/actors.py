@@ -218,6 +218,8 @@ def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stre
         extra = {"return_routes": True}
     if not issubclass(engine_class, SimEngine) and cfg.trainer.lora.rank:
         extra["lora_rank"] = cfg.trainer.lora.rank  # the policy arrives as LoRA adapters
+        # pause mode none: each request finishes on its adapter, within the staleness window
+        extra["lora_versions"] = cfg.algorithm.max_staleness + 1 if cfg.algorithm.pause_mode == "none" else 1
     return (ray.remote(engine_class).options(**engine_options(cfg, engine_id, restart), **(slot or {}))
             .remote(engine_id, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device, stream,
                     **extra))

@@ -82,6 +82,7 @@ class WeightUpdateReport:
     load_path: str  # replay | copy | reload, +repack (asyncrl.engine.worker_extension)
     in_place_bytes: int  # received straight into parameters
     checksums: dict[str, int]
+    aborted: int = 0  # pause mode none: requests whose adapter left the window, continued on the newest
 
 
 # -- trainer ----------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class SyncTimings:
     paused_s: float  # the longest time an engine did not generate
     load_paths: list[str]  # per engine
     in_place_bytes: list[int]  # per engine
+    aborted: int = 0  # pause mode none: requests whose adapter left the window, all engines
 
     def metrics(self) -> dict[str, float]:
         """`sync/<phase>` for the run's metrics (the per-engine lists left out)."""

@@ -164,6 +164,22 @@ def test_bad_value_names_key_value_and_what_is_valid(override, expected, base_mo
         assert text in str(err.value)
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    (["trainer.lora.rank=300"], ["trainer.lora.rank=300", "must be in [0, 256]"]),
+    (["trainer.lora.rank=8", "trainer.lora.alpha=0"], ["trainer.lora.alpha=0.0", "alpha / rank"]),
+    (["trainer.lora.rank=8", "trainer.lora.target_modules=[q_proj]"], ["trainer.lora.target_modules=['q_proj']",
+                                                                        "'linear_qkv', 'linear_proj'"]),
+    (["trainer.lora.rank=8", "algorithm.pause_mode=keep"], ["algorithm.pause_mode='keep'", "with trainer.lora"]),
+    (["trainer.lora.rank=8", "trainer.pipeline_parallel_size=2"], ["pipeline_parallel_size > 1 is not supported"]),
+])
+def test_lora_settings_are_checked(overrides, expected, base_model):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert len(err.value.problems) == 1, err.value.problems
+    for text in expected:
+        assert text in str(err.value)
+
+
 def test_all_problems_are_reported_at_once(base_model):
     with pytest.raises(ConfigError) as err:
         load_config(["algorithm.max_staleness=-2", "engine.backend=x", "trainer.lr=0"])

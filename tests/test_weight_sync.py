@@ -26,9 +26,19 @@ def greedy_engine(engine, ids, rid):
     return ray.get(engine.generate.remote(ids, SamplingSpec(max_new_tokens=8, temperature=0.0), rid))
 
 
-def greedy_hf(model, ids):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+def greedy_hf(model, ids, n=8):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(ids):].tolist()
+
+
+def wait_for_tokens(engine, requests: int, tokens: int, timeout_s: float = 60.0) -> None:
+    """Until `requests` are generating and the engine has produced `tokens` more tokens."""
+    start = ray.get(engine.__ray_call__.remote(lambda e: e.tokens_generated))
+    deadline = time.monotonic() + timeout_s
+    while (ray.get(engine.num_outstanding.remote()) < requests
+           or ray.get(engine.__ray_call__.remote(lambda e: e.tokens_generated)) < start + tokens):
+        assert time.monotonic() < deadline, "the requests did not start generating"
+        time.sleep(0.01)
 
 
 def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, path):
@@ -115,12 +125,15 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
 def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster, base_model, tmp_path):
     """trainer.lora: the syncs carry only the adapters (PEFT names), which the engine registers
     from memory as a vLLM LoRA adapter per version; it then generates what HF generates from the
-    trainer's merged export, and the exported PEFT adapter is exactly that merge."""
+    trainer's merged export, and the exported PEFT adapter is exactly that merge. Syncs in abort
+    mode, then without a pause (`none`): a request in flight finishes on its adapter, exactly as
+    it would have without the sync, and one whose adapter leaves the window is aborted."""
     import json
 
     import safetensors.torch
 
-    cfg = load_config(["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2"])
+    cfg = load_config(["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2", "algorithm.pause_mode=none",
+                       "engine.max_model_len=512"])  # adapters of versions v - 1 and v alive
     tok = AutoTokenizer.from_pretrained(base_model)
     trainer, engines = None, []
     try:
@@ -156,6 +169,33 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
                 logits = hf(torch.tensor([ids[0] + r.token_ids])).logits[0, len(ids[0]) - 1:-1]
             want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(r.logprobs), want, rtol=0, atol=1e-4)
+        # No pause: requests on adapter 2 go on through the sync to 3 and finish on adapter 2, token
+        # for token as HF's greedy decoding of policy 2; new requests get adapter 3.
+        long = SamplingSpec(max_new_tokens=160, temperature=0.0, ignore_eos=True)
+        flight = [engine.generate.remote(ids[k], long, f"none-3-{k}") for k in range(2)]
+        wait_for_tokens(engine, 2, 8)
+        trainer.train_step(make_groups(tok, seed=30), 2)
+        timings = sync.sync(version=3, pause_mode="none")
+        assert timings.paused_s == 0 and timings.aborted == 0 and timings.load_paths == ["adapter"]
+        hf2 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-2").eval()
+        for k, r in enumerate(ray.get(flight)):
+            assert r.finish_reason == "length" and r.versions == [2] * 160
+            assert r.token_ids == greedy_hf(hf2, ids[k], 160)
+        generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, 3, tmp_path / "hf-3"))
+        # A request still on adapter 3 after syncs to 4 and 5 (max_staleness 1: adapters 4 and 5 are
+        # the window) is aborted at the second, its tokens all of version 3; adapter 3 is then
+        # removed (the engine holds at most 3), so further syncs keep registering.
+        flight = [engine.generate.remote(ids[k], SamplingSpec(max_new_tokens=480, ignore_eos=True), f"none-5-{k}")
+                  for k in range(2)]
+        wait_for_tokens(engine, 2, 4)
+        assert sync.sync(version=4, pause_mode="none").aborted == 0
+        assert sync.sync(version=5, pause_mode="none").aborted == 2
+        for r in ray.get(flight):
+            assert r.finish_reason == "abort" and 0 < len(r.token_ids) < 480 and set(r.versions) == {3}
+        for version in (6, 7):
+            assert sync.sync(version=version, pause_mode="none").paused_s == 0
+        assert all(r.versions == [7] * len(r.token_ids) for r in
+                   [greedy_engine(engine, x, f"after-{i}") for i, x in enumerate(ids)])
         # The exported adapter (PEFT's format) is the merge: base + alpha / r * B A, per projection.
         out = tmp_path / "hf-2"
         merged = safetensors.torch.load_file(out / "model.safetensors")

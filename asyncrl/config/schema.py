@@ -21,7 +21,7 @@ DEVICES = ("cpu", "cuda")
 DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
-PAUSE_MODES = ("abort", "keep")
+PAUSE_MODES = ("abort", "keep", "none")  # none: trainer.lora only, adapters switched without a pause
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names
 MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)

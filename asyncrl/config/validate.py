@@ -262,6 +262,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("algorithm.max_staleness", a.max_staleness, 0, "0 = synchronous on-policy")
     at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
     one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
+    need(a.pause_mode != "none" or c.trainer.lora.rank > 0, "algorithm.pause_mode", a.pause_mode,
+         "none switches LoRA adapters without pausing: needs trainer.lora.rank > 0")
     one_of("algorithm.routing_replay", a.routing_replay, ROUTING_REPLAYS)
     if a.routing_replay == "r3":
         need(c.engine.backend == "vllm" and t.backend == "megatron", "algorithm.routing_replay", a.routing_replay,
@@ -428,9 +430,9 @@ def _check_lora(c: Config, need, within) -> None:
          f"LoRA trains on the megatron trainer (trainer.backend={c.trainer.backend})")
     need(c.trainer.pipeline_parallel_size == 1, "trainer.lora.rank", lora.rank,
          "LoRA with trainer.pipeline_parallel_size > 1 is not supported yet")
-    need(c.algorithm.pause_mode == "abort", "algorithm.pause_mode", c.algorithm.pause_mode,
-         "with trainer.lora the engines switch adapters at a sync: abort (a kept request would go on with "
-         "the old adapter under the new version)")
+    need(c.algorithm.pause_mode != "keep", "algorithm.pause_mode", c.algorithm.pause_mode,
+         "with trainer.lora: abort or none (a kept request would go on with the old adapter under the new "
+         "version; none lets it finish on its own adapter)")
 
 
 def _check_data(key: str, d: Any, problems: list[str]) -> None:

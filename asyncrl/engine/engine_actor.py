@@ -85,18 +85,24 @@ class EngineActor:
     worker_extension = "asyncrl.engine.worker_extension.WeightLoaderExtension"
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
-                 stream_outputs: bool = True, return_routes: bool = False, lora_rank: int = 0):
+                 stream_outputs: bool = True, return_routes: bool = False, lora_rank: int = 0,
+                 lora_versions: int = 1):
         self.engine_id = engine_id
         # trainer.lora: the base model stays; each sync brings the policy as a LoRA adapter
         # (registered from memory as id version + 1), which every request then uses.
         self.lora_rank = lora_rank
         self._adapter_config: dict | None = None  # PEFT's adapter_config, from init_weight_group
         self._lora_request = None  # the current policy's vLLM LoRARequest; None: the base model
+        # pause mode `none`: the policy versions whose adapters stay registered at once (each
+        # request finishes on the adapter it started with), and the requests on each
+        self.lora_versions = lora_versions
+        self._adapters: set[int] = set()  # the versions whose adapters are registered
+        self._on_adapter: dict[int, set[str]] = {}  # adapter's version -> requests generating with it
         # Routing replay (R3): each result carries the experts its tokens were routed to.
         self.return_routes = return_routes
         self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
         self.tokens_generated = 0  # tokens every request has received so far (tests await progress on it)
-        self._discarding: set[asyncio.Task] = set()  # pops of cancelled requests' routes
+        self._discarding: set[asyncio.Task] = set()  # background calls: cancelled requests' routes, adapter removals
         self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
@@ -129,7 +135,8 @@ class EngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.lora_rank)
+        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.lora_rank,
+                                    self.lora_versions)
         if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
             kwargs["enable_prefix_caching"] = False
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)
@@ -225,16 +232,20 @@ class EngineActor:
         self._account()
         self._outstanding.add(request_id)
         self._idle.clear()
+        # An adapter (trainer.lora) serves the whole request: its tokens carry its version.
+        lora, lora_version = self._lora_request, self.version
+        if lora is not None:
+            self._on_adapter.setdefault(lora_version, set()).add(request_id)
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id,
-                                        lora_request=self._lora_request)
+                                        lora_request=lora)
             async for out in stream:
                 # 2) stamp each delta with the weights' version at arrival
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
                 token_ids += new
                 logprobs += [step[tok].logprob for tok, step in zip(new, completion.logprobs or [])]
-                versions += [self.version] * len(new)
+                versions += [self.version if lora is None else lora_version] * len(new)
                 self.tokens_generated += len(new)
                 if out.finished:
                     # 3) "stop", "length" or "abort"
@@ -252,6 +263,9 @@ class EngineActor:
             # 4) done
             self._account()
             self._outstanding.discard(request_id)
+            if lora is not None:
+                self._on_adapter[lora_version].discard(request_id)
+                self._retire_adapters()
             if not self._outstanding:
                 self._idle.set()
         if len(logprobs) != len(token_ids):
@@ -393,6 +407,8 @@ class EngineActor:
         # abort pause completes at once where no batch can be in flight (no async scheduling,
         # no pipeline stages), so the receive is sent right behind it, not after its reply.
         t0 = time.monotonic()
+        if pause_mode == "none":
+            return await self._add_adapter(version, t0)
         pause = self._pause_core(pause_mode)
         if not (pause_mode == "abort" and self._pause_is_immediate):
             await self._watched(pause)
@@ -401,7 +417,6 @@ class EngineActor:
                 "asyncrl_receive_adapter", args=(version + 1, self._adapter_config)))
         else:
             receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
-        previous = self._lora_request
         await self._watched(pause)
         await self._drain_aborted(pause_mode, t0)
         t1 = time.monotonic()
@@ -425,8 +440,7 @@ class EngineActor:
             self._use_adapter(version)
             await self.resume()
         t3 = time.monotonic()
-        if previous is not None and previous.lora_int_id != version + 1:  # no request is on it: all aborted
-            await self._watched(self._llm.remove_lora(previous.lora_int_id))
+        self._retire_adapters()  # the previous one: every request on it was aborted
         checksums = results[0]["checksums"]
         if any(r["checksums"] != checksums for r in results[1:]):
             raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
@@ -437,6 +451,40 @@ class EngineActor:
                                   load_path=first["load_path"], in_place_bytes=first["in_place_bytes"],
                                   checksums=checksums)
 
+    async def _add_adapter(self, version: int, t0: float) -> WeightUpdateReport:
+        """Pause mode `none` (trainer.lora): register the received adapter as version `version`
+        while requests go on generating, each on the adapter it started with; new requests use
+        the new one. Requests on the adapter that leaves the window of `lora_versions` are aborted
+        (their loops continue on the newest, as after an abort pause); an adapter is removed once
+        no request uses it."""
+        results = await self._watched(self._llm.collective_rpc(
+            "asyncrl_receive_adapter", args=(version + 1, self._adapter_config)))
+        t1 = time.monotonic()
+        self.version = version
+        self._use_adapter(version)
+        aborted = [rid for v, users in self._on_adapter.items() if v <= version - self.lora_versions for rid in users]
+        if aborted:
+            await self._llm.abort(aborted)
+        self._retire_adapters()
+        checksums = results[0]["checksums"]
+        if any(r["checksums"] != checksums for r in results[1:]):
+            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
+        first = results[0]
+        return WeightUpdateReport(pause_s=0.0, broadcast_load_s=t1 - t0, receive_s=first["receive_s"],
+                                  load_s=first["load_s"], resume_s=0.0, paused_s=0.0, load_path=first["load_path"],
+                                  in_place_bytes=0, checksums=checksums, aborted=len(aborted))
+
+    def _retire_adapters(self) -> None:
+        """Remove the registered adapters that no request uses and that no longer serve new
+        requests (vLLM's engine dies if a request's adapter is removed under it)."""
+        for version in sorted(self._adapters - {self.version}):
+            if not self._on_adapter.get(version):
+                self._adapters.discard(version)
+                self._on_adapter.pop(version, None)
+                task = asyncio.ensure_future(self._llm.remove_lora(version + 1))
+                self._discarding.add(task)
+                task.add_done_callback(self._discarding.discard)
+
     def _use_adapter(self, version: int) -> None:
         """New requests use the adapter of `version` (just received), if the policy is one."""
         if self._adapter_config is not None:
@@ -446,6 +494,7 @@ class EngineActor:
             # The path is never read: the adapter is registered from memory (vllm_compat.register_lora).
             self._lora_request = LoRARequest(f"asyncrl-policy-v{version}", version + 1,
                                              f"/asyncrl/in-memory/v{version}")
+            self._adapters.add(version)
 
     def _check_adapter_specs(self, shapes: dict[str, tuple[int, ...]], rank: int) -> None:
         """Each PEFT tensor must adapt a linear weight of the checkpoint: lora_A [rank, in], lora_B [out, rank]."""

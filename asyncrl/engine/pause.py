@@ -12,8 +12,8 @@ def engines_stream(pause_mode: str) -> bool:
 
 def check_pause(mode: str, stream_outputs: bool, engine_id: int) -> None:
     """A pause mode the engine can honour: `keep` needs per-token versions (a streaming engine)."""
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause mode {mode!r}: must be one of {', '.join(PAUSE_MODES)}")
+    if mode not in PAUSE_MODES or mode == "none":  # none: a sync that does not pause (LoRA adapters)
+        raise ValueError(f"pause mode {mode!r}: must be one of abort, keep")
     if mode == "keep" and not stream_outputs:
         raise ValueError(f"engine-{engine_id}: pause('keep') needs per-token versions, but this engine "
                          "was started with stream_outputs=False (for algorithm.pause_mode=abort)")

@@ -42,9 +42,10 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
-                       lora_rank: int = 0) -> dict:
+                       lora_rank: int = 0, lora_versions: int = 1) -> dict:
     """Keyword arguments for `vllm.LLM` / `AsyncEngineArgs` from the engine config. `lora_rank`
-    (the trainer's trainer.lora.rank; 0: none): serve the policy as LoRA adapters of that rank."""
+    (the trainer's trainer.lora.rank; 0: none): serve the policy as LoRA adapters of that rank,
+    `lora_versions` of them at once (pause mode none: max_staleness + 1; otherwise 1)."""
     dtype = engine.dtype if engine.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
     kwargs = dict(
         model=model_path,
@@ -62,10 +63,10 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
     if lora_rank:
-        # one adapter in a batch (a sync switches every request to the new one), and room for
-        # the new one to be registered before the old one is removed
+        # that many adapters in a batch, and room for a new one and one whose last aborted
+        # requests are still ending
         kwargs.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank),
-                      max_loras=1, max_cpu_loras=2)
+                      max_loras=lora_versions, max_cpu_loras=lora_versions + 2)
     return kwargs
 
 

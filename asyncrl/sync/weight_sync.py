@@ -102,7 +102,8 @@ class WeightSync:
             pause_s=max(r.pause_s for r in received),
             broadcast_load_s=max(r.broadcast_load_s for r in received), load_s=max(r.load_s for r in received),
             resume_s=max(r.resume_s for r in received), paused_s=max(r.paused_s for r in received),
-            load_paths=[r.load_path for r in received], in_place_bytes=[r.in_place_bytes for r in received])
+            load_paths=[r.load_path for r in received], in_place_bytes=[r.in_place_bytes for r in received],
+            aborted=sum(r.aborted for r in received))
         logger.debug("weight sync -> version %d: %s", version, timings)
         return timings
 
