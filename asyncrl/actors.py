@@ -17,8 +17,10 @@ by Ray at this edge; nothing below this module imports Ray's actor machinery for
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -232,8 +234,11 @@ def start_engines(engines: list) -> list[EngineStartInfo]:
 
 def create_local_engine(cfg: Config, stream: bool = False) -> EngineActor:
     """An EngineActor as a plain object in this process (no Ray): `asyncrl eval`. Not started."""
+    rank = 0
+    if cfg.eval.adapter:  # served as a LoRA adapter of model.path, read by vLLM from its directory
+        rank = int(json.loads((Path(cfg.eval.adapter) / "adapter_config.json").read_text())["r"])
     return EngineActor(0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device,
-                       stream_outputs=stream)
+                       stream_outputs=stream, lora_rank=rank, adapter_path=cfg.eval.adapter)
 
 
 # -- queue and rollout workers ----------------------------------------------------------

@@ -3,6 +3,7 @@
     asyncrl eval recipe=arith                                 # the recipe's base model
     asyncrl eval runs/arith/2026-11-21_10-00-00 recipe=arith  # a run's final policy
     asyncrl eval RUN_DIR/checkpoints/step_000020 recipe=arith # a checkpoint (its hf/ export)
+    asyncrl eval RUN_DIR/final_policy/adapter recipe=arith   # a LoRA run's adapter (PEFT), on its base
     asyncrl eval recipe=arith eval.endpoint=http://127.0.0.1:8000/v1   # any OpenAI-compatible server
     python -m asyncrl.evaluate recipe=arith                   # the same as the first
 
@@ -27,15 +28,20 @@ from asyncrl.config import CONF_DIR
 from asyncrl.run_config import validate_or_exit, validate_shown_config
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The Hugging Face directory behind what a user calls a checkpoint: an HF directory, a run
-    directory (its final_policy), or a checkpoint directory (RUN_DIR/checkpoints/step_N: its hf/)."""
+def resolve_checkpoint(path: str) -> list[str]:
+    """The overrides for what a user calls a checkpoint: a Hugging Face directory, a run directory
+    (its final_policy), a checkpoint directory (RUN_DIR/checkpoints/step_N: its hf/), or a PEFT
+    LoRA adapter (adapter_config.json: its base model, with eval.adapter)."""
     p = Path(path)
+    if (p / "adapter_config.json").is_file():
+        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
+        return [f"model.path={base}", f"eval.adapter={p.resolve()}"]
     for candidate in (p, p / "final_policy", p / "hf"):
         if (candidate / "config.json").is_file():
-            return str(candidate.resolve())
+            return [f"model.path={candidate.resolve()}"]
     raise ValueError(f"{path!r} is not a checkpoint: expected a Hugging Face directory (config.json), a run "
-                     "directory with final_policy/, or RUN_DIR/checkpoints/step_N with hf/")
+                     "directory with final_policy/, RUN_DIR/checkpoints/step_N with hf/, or a PEFT adapter "
+                     "directory (adapter_config.json)")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")
@@ -59,7 +65,7 @@ def main() -> None:
             model = resolve_checkpoint(sys.argv[1])
         except ValueError as e:
             sys.exit(f"asyncrl eval: {e}")
-        sys.argv = [sys.argv[0], *sys.argv[2:], f"model.path={model}"]
+        sys.argv = [sys.argv[0], *sys.argv[2:], *model]
     validate_shown_config("evaluate")
     _hydra_main()
 

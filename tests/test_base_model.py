@@ -65,17 +65,53 @@ def test_vllm_eval_agrees_with_transformers(tmp_path, base_model):
     assert result["num_problems"] == n
     assert result["pass_at_k"]["8"] >= result["pass_at_k"]["1"]
 
+    hf_accuracy = hf_greedy_accuracy(AutoModelForCausalLM.from_pretrained(base_model).eval(), base_model, n)
+    # Both run fp32 greedy; only near-ties in the logits may differ.
+    assert abs(result["greedy_accuracy"] - hf_accuracy) <= 0.02, (result["greedy_accuracy"], hf_accuracy)
+
+
+def hf_greedy_accuracy(model, tokenizer_path, n: int) -> float:
+    """HF's greedy accuracy of `model` on the arith recipe's first `n` held-out problems."""
     cfg = load_config([])
-    source = TaskSource(cfg.data)
     hooks = load_recipe_hooks(cfg.recipe.module)
-    model = AutoModelForCausalLM.from_pretrained(base_model).eval()
-    tok = AutoTokenizer.from_pretrained(base_model, padding_side="left")
-    problems = source.heldout[:n]
+    tok = AutoTokenizer.from_pretrained(tokenizer_path, padding_side="left")
+    problems = TaskSource(cfg.data).heldout[:n]
     enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
     with torch.no_grad():
         gen = model.generate(**enc, do_sample=False, max_new_tokens=cfg.rollout.max_new_tokens,
                              pad_token_id=tok.pad_token_id)
     texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    hf_accuracy = sum(hooks.reward(p, t) >= 1.0 for p, t in zip(problems, texts)) / n
-    # Both run fp32 greedy; only near-ties in the logits may differ.
-    assert abs(result["greedy_accuracy"] - hf_accuracy) <= 0.02, (result["greedy_accuracy"], hf_accuracy)
+    return sum(hooks.reward(p, t) >= 1.0 for p, t in zip(problems, texts)) / n
+
+
+@pytest.mark.slow
+def test_asyncrl_eval_serves_a_peft_adapter_as_its_merged_model(tmp_path, base_model):
+    """`asyncrl eval ADAPTER_DIR` (PEFT's format, as a LoRA run exports it) runs the adapter on its
+    base model through vLLM's LoRA path, and scores what the merged model scores."""
+    from asyncrl.trainer.lora import save_peft_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(base_model).eval()
+    base_accuracy = hf_greedy_accuracy(model, base_model, 60)
+    g = torch.Generator().manual_seed(0)
+    tensors, rank, alpha = {}, 8, 16.0
+    for name, w in model.state_dict().items():
+        if name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")):
+            a = torch.randn(rank, w.shape[1], generator=g) * 0.1
+            b = torch.randn(w.shape[0], rank, generator=g) * 0.1
+            stem = f"base_model.model.{name.removesuffix('.weight')}"
+            tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = a, b
+            w += alpha / rank * b @ a  # merged, in place
+    save_peft_adapter(tmp_path / "adapter", tensors, {
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "bias": "none", "base_model_name_or_path": str(base_model)})
+    model.save_pretrained(tmp_path / "merged")
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(tmp_path / "merged")
+    scores = {}
+    for policy in ("adapter", "merged"):
+        out = run_cli("eval", str(tmp_path / policy), "recipe=arith", "eval.num_problems=60", "eval.n_samples=1",
+                      "eval.pass_k=[1]", f"run.output_dir={tmp_path / ('eval-' + policy)}", cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        scores[policy] = json.loads((tmp_path / f"eval-{policy}" / "eval.json").read_text())["greedy_accuracy"]
+    # served without its adapter, it would score the base model's
+    assert scores["adapter"] == scores["merged"] and abs(scores["merged"] - base_accuracy) >= 0.03, \
+        (scores, base_accuracy)

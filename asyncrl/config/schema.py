@@ -449,6 +449,9 @@ class EvalConfig:
     # evaluate instead of starting vLLM; empty: vLLM in process on model.path.
     endpoint: str = ""
     endpoint_model: str = ""  # the model name the endpoint serves; empty: model.path
+    # `asyncrl eval` only: a PEFT LoRA adapter of model.path (adapter_config.json and its
+    # safetensors, e.g. RUN_DIR/final_policy/adapter), served by vLLM as a LoRA adapter
+    adapter: str = ""
 
 
 @dataclass

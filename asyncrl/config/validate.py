@@ -417,6 +417,10 @@ def _floats(key: str, value: Any) -> Iterator[tuple[str, float]]:
 
 
 def _check_lora(c: Config, need, within) -> None:
+    if c.eval.adapter:
+        config = os.path.join(c.eval.adapter, "adapter_config.json")
+        need(os.path.isfile(config), "eval.adapter", c.eval.adapter,
+             "not a PEFT adapter directory (no adapter_config.json)")
     lora = c.trainer.lora
     within("trainer.lora.rank", lora.rank, 0, MAX_LORA_RANK, "0: full fine-tuning")
     if lora.rank <= 0:

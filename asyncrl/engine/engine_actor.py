@@ -86,13 +86,14 @@ class EngineActor:
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
                  stream_outputs: bool = True, return_routes: bool = False, lora_rank: int = 0,
-                 lora_versions: int = 1):
+                 lora_versions: int = 1, adapter_path: str = ""):
         self.engine_id = engine_id
         # trainer.lora: the base model stays; each sync brings the policy as a LoRA adapter
         # (registered from memory as id version + 1), which every request then uses.
         self.lora_rank = lora_rank
         self._adapter_config: dict | None = None  # PEFT's adapter_config, from init_weight_group
         self._lora_request = None  # the current policy's vLLM LoRARequest; None: the base model
+        self.adapter_path = adapter_path  # a PEFT adapter on disk to serve (asyncrl eval)
         # pause mode `none`: the policy versions whose adapters stay registered at once (each
         # request finishes on the adapter it started with), and the requests on each
         self.lora_versions = lora_versions
@@ -152,6 +153,10 @@ class EngineActor:
                                "(nothing packed, or quantized layers: vLLM's own load path)", self.engine_id)
         if self.return_routes:
             await self._llm.collective_rpc("asyncrl_record_routes")
+        if self.adapter_path:  # vLLM's own adapter loading, from the directory
+            from vllm.lora.request import LoRARequest
+
+            self._lora_request = LoRARequest("asyncrl-adapter", 1, self.adapter_path)
         tree = _tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=_tree_rss_gib(tree), cpu_cores=_tree_cores(tree),
