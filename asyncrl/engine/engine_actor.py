@@ -237,20 +237,21 @@ class EngineActor:
         self._account()
         self._outstanding.add(request_id)
         self._idle.clear()
-        # An adapter (trainer.lora) serves the whole request: its tokens carry its version.
-        lora, lora_version = self._lora_request, self.version
-        if lora is not None:
-            self._on_adapter.setdefault(lora_version, set()).add(request_id)
+        # trainer.lora: the adapter a request starts on (or the base model, version 0) serves it
+        # to its end, and its tokens carry that version.
+        lora, start_version, own_policy = self._lora_request, self.version, self.lora_rank > 0
+        if own_policy:
+            self._on_adapter.setdefault(start_version, set()).add(request_id)
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id,
                                         lora_request=lora)
             async for out in stream:
-                # 2) stamp each delta with the weights' version at arrival
+                # 2) stamp each delta with the weights' version at arrival (with LoRA: its adapter's)
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
                 token_ids += new
                 logprobs += [step[tok].logprob for tok, step in zip(new, completion.logprobs or [])]
-                versions += [self.version if lora is None else lora_version] * len(new)
+                versions += [start_version if own_policy else self.version] * len(new)
                 self.tokens_generated += len(new)
                 if out.finished:
                     # 3) "stop", "length" or "abort"
@@ -268,8 +269,8 @@ class EngineActor:
             # 4) done
             self._account()
             self._outstanding.discard(request_id)
-            if lora is not None:
-                self._on_adapter[lora_version].discard(request_id)
+            if own_policy:
+                self._on_adapter[start_version].discard(request_id)
                 self._retire_adapters()
             if not self._outstanding:
                 self._idle.set()
