@@ -16,6 +16,7 @@ from asyncrl.sync.collective import BucketPlan
 from asyncrl.types import SamplingSpec
 from tests.conftest import kill_actors
 from tests.trainer_data import make_groups
+from tests.trainer_probes import ProbedTrainerRank
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +27,9 @@ def greedy_engine(engine, ids, rid):
     return ray.get(engine.generate.remote(ids, SamplingSpec(max_new_tokens=8, temperature=0.0), rid))
 
 
-def greedy_hf(model, ids, n=8):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+def greedy_hf(model, ids, n=8, ignore_eos=False):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n if ignore_eos else None,
+                         do_sample=False)
     return out[0, len(ids):].tolist()
 
 
@@ -140,7 +142,7 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
         engines = actors.create_engines(cfg, stream=True)
         (engine,) = engines
         started = engine.start.remote()
-        trainer = actors.create_trainer(cfg)
+        trainer = actors.create_trainer(cfg, rank_class=ProbedTrainerRank)
         setup = trainer.setup()
         ray.get(started)
         # PEFT's A and B per projection, rank 8, hidden 128, MLP 512: q, k, v, o 8 x 128 + 128 x 8 each;
@@ -162,13 +164,12 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
             generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
                                                                   tmp_path / f"hf-{version}"))
             assert generated[-1] != generated[-2]
-            # and the engine's logprobs under adapter `version` are the merged policy's
+            # and the engine's logprobs under adapter `version` are the trainer's (its adapted forward)
             r = greedy_engine(engine, ids[0], f"lp-{version}")
-            hf = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{version}").eval()
-            with torch.no_grad():
-                logits = hf(torch.tensor([ids[0] + r.token_ids])).logits[0, len(ids[0]) - 1:-1]
-            want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(r.logprobs), want, rtol=0, atol=1e-4)
+            row = [ids[0] + r.token_ids]
+            logits = trainer.on_ranks(lambda rank, row=row: rank.forward_logits.remote(row))
+            want = torch.log_softmax(logits[0, len(ids[0]) - 1:-1], -1).gather(1, torch.tensor(r.token_ids)[:, None])
+            torch.testing.assert_close(torch.tensor(r.logprobs), want[:, 0], rtol=0, atol=1e-4)
         # No pause: requests on adapter 2 go on through the sync to 3 and finish on adapter 2, token
         # for token as HF's greedy decoding of policy 2; new requests get adapter 3.
         long = SamplingSpec(max_new_tokens=160, temperature=0.0, ignore_eos=True)
@@ -180,7 +181,7 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
         hf2 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-2").eval()
         for k, r in enumerate(ray.get(flight)):
             assert r.finish_reason == "length" and r.versions == [2] * 160
-            assert r.token_ids == greedy_hf(hf2, ids[k], 160)
+            assert r.token_ids == greedy_hf(hf2, ids[k], 160, ignore_eos=True)
         generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, 3, tmp_path / "hf-3"))
         # A request still on adapter 3 after syncs to 4 and 5 (max_staleness 1: adapters 4 and 5 are
         # the window) is aborted at the second, its tokens all of version 3; adapter 3 is then
