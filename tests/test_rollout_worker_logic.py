@@ -410,3 +410,39 @@ def test_a_loop_aborted_while_the_worker_is_not_interrupted_goes_on_at_once(cfg,
     assert all(t.info["response"] == f"Answer: {problems[0].answer}" for t in group.trajectories)
     stats = worker.get_stats()
     assert (stats.interruptions, stats.resumes, stats.snapshots) == (2, 2, 0)
+
+
+def test_a_bounded_evaluation_sends_at_most_its_limit_until_unbound():
+    from asyncrl.rollout.worker import BoundedInference
+    from asyncrl.types import GenerationResult, SamplingSpec
+
+    class Held:
+        returns_token_ids = returns_logprobs = True
+
+        def __init__(self):
+            self.now, self.most, self.go = 0, 0, asyncio.Event()
+
+        async def agenerate(self, prompt_token_ids, sampling, request_id):
+            self.now += 1
+            self.most = max(self.most, self.now)
+            await self.go.wait()
+            self.now -= 1
+            return GenerationResult([1], [0.0], [0], "stop")
+
+    async def main():
+        inner = Held()
+        bounded = BoundedInference(inner, 3)
+        tasks = [asyncio.create_task(bounded.agenerate([1], SamplingSpec(max_new_tokens=1), f"r{i}")) for i in range(10)]
+        while inner.now < 3:
+            await asyncio.sleep(0)
+        for _ in range(20):  # nothing more gets through while the bound holds
+            await asyncio.sleep(0)
+        assert inner.now == 3
+        await bounded.unbound()  # the run stopped training: every waiting request goes at once
+        while inner.now < 10:
+            await asyncio.sleep(0)
+        inner.go.set()
+        await asyncio.gather(*tasks)
+        return inner.most
+
+    assert asyncio.run(main()) == 10

@@ -42,6 +42,11 @@ class PeriodicEvaluation:
         if self.running is None:
             return {}
         pending, started_version, started_step = self.running
+        if block and e.beside_training:  # training is over: the evaluation may take the whole engines
+            try:
+                ray.get([w.unbound_evaluations.remote() for w in workers])
+            except ray.exceptions.RayError as err:
+                logger.warning("could not lift the evaluation's bound: %s", error_line(err))
         try:
             result = pending.result(self.agents, block=block or not e.beside_training)
         except ray.exceptions.RayError as err:  # a worker died (a trainer restart replaces them all)

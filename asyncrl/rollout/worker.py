@@ -77,15 +77,29 @@ class _PendingGroup:
 
 
 class BoundedInference(InferenceInterface):
-    """At most `limit` requests of an inference interface at once."""
+    """At most `limit` requests of an inference interface at once, until `unbound()`."""
 
     def __init__(self, inner: InferenceInterface, limit: int):
-        self.inner, self.slots = inner, asyncio.Semaphore(limit)
+        self.inner, self.limit, self.running = inner, limit, 0
+        self.changed = asyncio.Condition()
         self.returns_token_ids, self.returns_logprobs = inner.returns_token_ids, inner.returns_logprobs
 
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
-        async with self.slots:
+        async with self.changed:
+            await self.changed.wait_for(lambda: not self.limit or self.running < self.limit)
+            self.running += 1
+        try:
             return await self.inner.agenerate(prompt_token_ids, sampling, request_id)
+        finally:
+            async with self.changed:
+                self.running -= 1
+                self.changed.notify()
+
+    async def unbound(self) -> None:
+        """Every waiting request goes now (nothing else needs the engines any more)."""
+        async with self.changed:
+            self.limit = 0
+            self.changed.notify_all()
 
 
 class RolloutWorker:
@@ -114,6 +128,7 @@ class RolloutWorker:
         self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
         self._interrupt = asyncio.Event()
         self._running = asyncio.Event()  # the opposite of _interrupt, for the gateway's waiting requests
+        self._bounded_evaluations: set[BoundedInference] = set()  # evaluations beside training, running
         self._running.set()
         self._snapshots: list[tuple[_PendingGroup, int, AgentLoopSnapshot]] = []
         self._groups: list[TrajectoryGroup] = []  # emitted groups, when there is no sink
@@ -242,7 +257,17 @@ class RolloutWorker:
         if any(self.agents.agent_for(p).remote for p in problems):
             await self.gateway.serve()  # their env servers generate through the gateway
         inference = BoundedInference(self.gateway, max_concurrent) if max_concurrent else self.gateway
-        return await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
+        if max_concurrent:
+            self._bounded_evaluations.add(inference)
+        try:
+            return await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
+        finally:
+            self._bounded_evaluations.discard(inference)
+
+    async def unbound_evaluations(self) -> None:
+        """Training is over: evaluations running beside it may take the whole engines."""
+        for inference in list(self._bounded_evaluations):
+            await inference.unbound()
 
     async def _resumed(self) -> None:
         """Returns once a weight sync in abort mode is over (the gateway's requests wait here)."""
