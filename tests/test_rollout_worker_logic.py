@@ -432,7 +432,8 @@ def test_a_bounded_evaluation_sends_at_most_its_limit_until_unbound():
     async def main():
         inner = Held()
         bounded = BoundedInference(inner, 3)
-        tasks = [asyncio.create_task(bounded.agenerate([1], SamplingSpec(max_new_tokens=1), f"r{i}")) for i in range(10)]
+        spec = SamplingSpec(max_new_tokens=1)
+        tasks = [asyncio.create_task(bounded.agenerate([1], spec, f"r{i}")) for i in range(10)]
         while inner.now < 3:
             await asyncio.sleep(0)
         for _ in range(20):  # nothing more gets through while the bound holds
