@@ -417,16 +417,31 @@ def test_a_bounded_evaluation_sends_at_most_its_limit_until_unbound():
     from asyncrl.types import GenerationResult, SamplingSpec
 
     class Held:
+        """Requests that wait until released; the test awaits what it expects them to reach."""
+
         returns_token_ids = returns_logprobs = True
 
         def __init__(self):
-            self.now, self.most, self.go = 0, 0, asyncio.Event()
+            self.started = self.now = self.most = self.released = 0
+            self.changed = asyncio.Condition()
+
+        async def until(self, reached) -> None:
+            async with self.changed:
+                await asyncio.wait_for(self.changed.wait_for(reached), timeout=30)
+
+        async def release(self, n: int) -> None:
+            async with self.changed:
+                self.released += n
+                self.changed.notify_all()
 
         async def agenerate(self, prompt_token_ids, sampling, request_id):
-            self.now += 1
-            self.most = max(self.most, self.now)
-            await self.go.wait()
-            self.now -= 1
+            async with self.changed:
+                self.started, self.now = self.started + 1, self.now + 1
+                self.most = max(self.most, self.now)
+                self.changed.notify_all()
+                ticket = self.started
+                await self.changed.wait_for(lambda: ticket <= self.released)
+                self.now -= 1
             return GenerationResult([1], [0.0], [0], "stop")
 
     async def main():
@@ -434,16 +449,14 @@ def test_a_bounded_evaluation_sends_at_most_its_limit_until_unbound():
         bounded = BoundedInference(inner, 3)
         spec = SamplingSpec(max_new_tokens=1)
         tasks = [asyncio.create_task(bounded.agenerate([1], spec, f"r{i}")) for i in range(10)]
-        while inner.now < 3:
-            await asyncio.sleep(0)
-        for _ in range(20):  # nothing more gets through while the bound holds
-            await asyncio.sleep(0)
-        assert inner.now == 3
+        await inner.until(lambda: inner.started >= 3)
+        await inner.release(1)  # one ends: exactly one more goes (every task has reached the bound by now)
+        await inner.until(lambda: inner.started >= 4)
+        assert inner.most == 3 and inner.now == 3
         await bounded.unbound()  # the run stopped training: every waiting request goes at once
-        while inner.now < 10:
-            await asyncio.sleep(0)
-        inner.go.set()
+        await inner.until(lambda: inner.started == 10)
+        assert inner.now == 9
+        await inner.release(10)
         await asyncio.gather(*tasks)
-        return inner.most
 
-    assert asyncio.run(main()) == 10
+    asyncio.run(main())

@@ -3,6 +3,7 @@ vLLM-CPU engine in Ray actors, joined by one gloo broadcast group."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -43,6 +44,24 @@ def wait_for_tokens(engine, requests: int, tokens: int, timeout_s: float = 60.0)
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def engine_and_trainer(cfg, rank_class=None):
+    """One started vLLM-CPU engine and a set-up trainer (built while the engine starts):
+    (engine, trainer, the trainer's setup info, the engine's start info); both stopped after."""
+    trainer, engines = None, []
+    try:
+        engines = actors.create_engines(cfg, stream=True)
+        (engine,) = engines
+        started = engine.start.remote()
+        trainer = actors.create_trainer(cfg, rank_class=rank_class)
+        setup = trainer.setup()  # while the engine starts
+        yield engine, trainer, setup, ray.get(started)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        kill_actors(engines, shutdown=True)
+
+
 def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, path):
     """Greedy tokens from the engine (stamped `version`) equal HF's on the trainer's exported weights."""
     hf = AutoModelForCausalLM.from_pretrained(trainer.export_hf(str(path))).eval()
@@ -69,14 +88,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
                        "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25",
                        "engine.max_model_len=512"])  # in-flight requests long enough to outlast the trainer's staging
     tok = AutoTokenizer.from_pretrained(base_model)
-    trainer, engines = None, []
-    try:
-        engines = actors.create_engines(cfg, stream=True)
-        (engine,) = engines
-        started = engine.start.remote()
-        trainer = actors.create_trainer(cfg)
-        setup = trainer.setup()  # while the engine starts
-        info = ray.get(started)
+    with engine_and_trainer(cfg) as (engine, trainer, setup, info):
         assert info.plain_weights == (not prepack)
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
         sync = actors.create_weight_sync(cfg, trainer, [engine])
@@ -118,10 +130,6 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
             generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
                                                                   tmp_path / f"hf-{version}"))
             assert generated[-1] != generated[-2]  # ... and training did change them since the last sync.
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        kill_actors(engines, shutdown=True)
 
 
 def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster, base_model, tmp_path):
@@ -137,14 +145,7 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
     cfg = load_config(["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2", "algorithm.pause_mode=none",
                        "engine.max_model_len=512"])  # adapters of versions v - 1 and v alive
     tok = AutoTokenizer.from_pretrained(base_model)
-    trainer, engines = None, []
-    try:
-        engines = actors.create_engines(cfg, stream=True)
-        (engine,) = engines
-        started = engine.start.remote()
-        trainer = actors.create_trainer(cfg, rank_class=ProbedTrainerRank)
-        setup = trainer.setup()
-        ray.get(started)
+    with engine_and_trainer(cfg, ProbedTrainerRank) as (engine, trainer, setup, _):
         # PEFT's A and B per projection, rank 8, hidden 128, MLP 512: q, k, v, o 8 x 128 + 128 x 8 each;
         # gate, up 8 x 128 + 512 x 8, down 8 x 512 + 128 x 8; 4 layers of float32 (the whole model: 4.5 MB)
         assert setup.weight_bytes == 4 * 4 * (4 * 2 * 8 * 128 + 3 * 8 * (128 + 512)) == 376_832
@@ -209,7 +210,3 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
             expected = w if a is None else w + 2.0 * adapter[f"{stem}.lora_B.weight"] @ a
             if name in merged:
                 torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-6)
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        kill_actors(engines, shutdown=True)

@@ -192,6 +192,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     one_of("engine.dtype", c.engine.dtype, DTYPES)
     within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
     at_least("eval.max_concurrent", c.eval.max_concurrent, 1)
+    need(not c.eval.adapter or os.path.isfile(os.path.join(c.eval.adapter, "adapter_config.json")),
+         "eval.adapter", c.eval.adapter, "not a PEFT adapter directory (no adapter_config.json)")
     within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)
     a = c.engine.autoscale
     if a.enabled:
@@ -417,10 +419,6 @@ def _floats(key: str, value: Any) -> Iterator[tuple[str, float]]:
 
 
 def _check_lora(c: Config, need, within) -> None:
-    if c.eval.adapter:
-        config = os.path.join(c.eval.adapter, "adapter_config.json")
-        need(os.path.isfile(config), "eval.adapter", c.eval.adapter,
-             "not a PEFT adapter directory (no adapter_config.json)")
     lora = c.trainer.lora
     within("trainer.lora.rank", lora.rank, 0, MAX_LORA_RANK, "0: full fine-tuning")
     if lora.rank <= 0:

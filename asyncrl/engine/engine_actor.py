@@ -447,15 +447,17 @@ class EngineActor:
             await self.resume()
         t3 = time.monotonic()
         self._retire_adapters()  # the previous one: every request on it was aborted
-        checksums = results[0]["checksums"]
-        if any(r["checksums"] != checksums for r in results[1:]):
-            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
+        return self._report(results, pause_s=t1 - t0, broadcast_load_s=t2 - t1, resume_s=t3 - t2, paused_s=t3 - t0)
+
+    def _report(self, results: list[dict], **phases: float | int) -> WeightUpdateReport:
+        """The update's report from every worker's answer to its receive (they must have received
+        the same bytes) and the engine-side phases."""
         # The workers answer through vLLM's RPC, which carries plain dicts (asyncrl_receive_weights).
         first = results[0]
-        return WeightUpdateReport(pause_s=t1 - t0, broadcast_load_s=t2 - t1, receive_s=first["receive_s"],
-                                  load_s=first["load_s"], resume_s=t3 - t2, paused_s=t3 - t0,
-                                  load_path=first["load_path"], in_place_bytes=first["in_place_bytes"],
-                                  checksums=checksums)
+        if any(r["checksums"] != first["checksums"] for r in results[1:]):
+            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
+        return WeightUpdateReport(receive_s=first["receive_s"], load_s=first["load_s"], load_path=first["load_path"],
+                                  in_place_bytes=first["in_place_bytes"], checksums=first["checksums"], **phases)
 
     async def _add_adapter(self, version: int, t0: float) -> WeightUpdateReport:
         """Pause mode `none` (trainer.lora): register the received adapter as version `version`
@@ -472,13 +474,8 @@ class EngineActor:
         if aborted:
             await self._llm.abort(aborted)
         self._retire_adapters()
-        checksums = results[0]["checksums"]
-        if any(r["checksums"] != checksums for r in results[1:]):
-            raise RuntimeError(f"engine-{self.engine_id}: its workers received different weights")
-        first = results[0]
-        return WeightUpdateReport(pause_s=0.0, broadcast_load_s=t1 - t0, receive_s=first["receive_s"],
-                                  load_s=first["load_s"], resume_s=0.0, paused_s=0.0, load_path=first["load_path"],
-                                  in_place_bytes=0, checksums=checksums, aborted=len(aborted))
+        return self._report(results, pause_s=0.0, broadcast_load_s=t1 - t0, resume_s=0.0, paused_s=0.0,
+                            aborted=len(aborted))
 
     def _retire_adapters(self) -> None:
         """Remove the registered adapters that no request uses and that no longer serve new

@@ -44,7 +44,7 @@ class LoRAAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
-        self.kind, self.rank, self.scale = kind, cfg.rank, cfg.alpha / cfg.rank
+        self.kind, self.scale = kind, cfg.alpha / cfg.rank
         out_local, in_local = base.weight.shape
         device, dtype = base.weight.device, base.weight.dtype
         in_full = in_local * tp_size if kind == "row" else in_local
@@ -85,11 +85,16 @@ class LoRAAdapter(torch.nn.Module):
                                                    sharded_offsets)
 
 
+def _parent(layer: torch.nn.Module, target: str) -> torch.nn.Module:
+    """The module of a transformer layer that holds `target` (and its adapter, beside it)."""
+    return layer.self_attention if target in ("linear_qkv", "linear_proj") else layer.mlp
+
+
 def adapted_layers(model: torch.nn.Module, targets: list[str]) -> Iterator[tuple[int, str, torch.nn.Module, str]]:
     """(global layer index, target name, its parent module, kind) for every layer to adapt."""
     for layer in model.decoder.layers:
         for target in targets:
-            parent = layer.self_attention if target in ("linear_qkv", "linear_proj") else layer.mlp
+            parent = _parent(layer, target)
             if not hasattr(parent, target):
                 raise ValueError(f"trainer.lora.target_modules: layer {layer.layer_number - 1} has no {target} "
                                  f"(a mixture-of-experts MLP: adapt linear_qkv and linear_proj only)")
@@ -131,7 +136,7 @@ def adapters(model: torch.nn.Module) -> Iterator[tuple[int, str, torch.nn.Module
     """(global layer index, target, the adapted layer, its adapter) of a model apply_lora changed."""
     for layer in model.decoder.layers:
         for target in LORA_TARGETS:
-            parent = layer.self_attention if target in ("linear_qkv", "linear_proj") else layer.mlp
+            parent = _parent(layer, target)
             adapter = getattr(parent, f"{target}_lora", None)
             if adapter is not None:
                 yield layer.layer_number - 1, target, getattr(parent, target), adapter
