@@ -35,8 +35,9 @@ MODES = {
     # arith_tool: the chat_tool loop (a conversation through the model's chat template, Hermes calls to
     # the calculator, the tool turns masked, tool-call counts in the metrics) in training and evaluation,
     # on the arith problems as verl's users keep data (verl_data: parquet rows in verl's layout, scored by
-    # a compute_score from a file)
-    "tool_loop": ["algorithm.max_staleness=1"],
+    # a compute_score from a file); a LoRA policy synced as adapters that the engines switch to
+    # without pausing (algorithm.pause_mode=none: the ledger and staleness hold as in the other modes)
+    "tool_loop": ["algorithm.max_staleness=1", "trainer.lora.rank=8", "trainer.lr=1e-3", "algorithm.pause_mode=none"],
 }
 
 
@@ -110,6 +111,8 @@ def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_p
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert max(r["engines/live"] for r in steps) == 2 and steps[-1]["engines/live"] == 1
     assert steps[-1]["engines/scale_events"] == 2
+    # no sync paused an engine, the one that joined included (it registered the adapter it was sent)
+    assert all(r["sync/paused_s"] == 0 for r in steps)
     # the calls are counted (in total and by failure reason) and drawn
     assert steps[-1]["rollout/tool_calls"] > 0
     assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
