@@ -47,7 +47,7 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
-from asyncrl.inference.protocol import InferenceInterface
+from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
@@ -83,6 +83,7 @@ class BoundedInference(InferenceInterface):
         self.inner, self.limit, self.running = inner, limit, 0
         self.changed = asyncio.Condition()
         self.returns_token_ids, self.returns_logprobs = inner.returns_token_ids, inner.returns_logprobs
+        self.endpoint: Endpoint | None = None  # an HTTP gateway of its own, for env servers (RolloutWorker.evaluate)
 
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         async with self.changed:
@@ -254,15 +255,22 @@ class RolloutWorker:
         `temperature` each), outside training: no groups emitted. `max_concurrent`: at most
         that many of its requests at once (0: all), the share of the engines it takes beside
         the rollouts."""
-        if any(self.agents.agent_for(p).remote for p in problems):
-            await self.gateway.serve()  # their env servers generate through the gateway
-        inference = BoundedInference(self.gateway, max_concurrent) if max_concurrent else self.gateway
+        remote = any(self.agents.agent_for(p).remote for p in problems)
+        inference, http = self.gateway, None
         if max_concurrent:
+            inference = BoundedInference(self.gateway, max_concurrent)
             self._bounded_evaluations.add(inference)
+            if remote:  # env servers' requests come over HTTP: through a gateway of their own, bounded too
+                http = InferenceGateway(lambda: inference, self.tokenizer)
+                inference.endpoint = await http.serve()
+        elif remote:
+            await self.gateway.serve()  # their env servers generate through the gateway
         try:
             return await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
         finally:
             self._bounded_evaluations.discard(inference)
+            if http is not None:
+                await http.stop()
 
     async def unbound_evaluations(self) -> None:
         """Training is over: evaluations running beside it may take the whole engines."""
