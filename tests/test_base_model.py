@@ -81,13 +81,13 @@ def test_vllm_eval_agrees_with_transformers_on_a_peft_adapter(tmp_path, base_mod
     hf_accuracy = hf_greedy_accuracy(model, base_model, n)
     assert abs(hf_accuracy - base_accuracy) >= 0.04, (hf_accuracy, base_accuracy)  # the adapter changes answers
 
-    out = run_cli("eval", str(tmp_path / "adapter"), "recipe=arith", f"eval.num_problems={n}",
-                  f"run.output_dir={tmp_path}", cwd=tmp_path)
+    out = run_cli("eval", str(tmp_path / "adapter"), "recipe=arith", f"eval.num_problems={n}", "eval.n_samples=2",
+                  "eval.pass_k=[1,2]", f"run.output_dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "held-out accuracy (greedy)" in out.stdout
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["num_problems"] == n
-    assert result["pass_at_k"]["8"] >= result["pass_at_k"]["1"]
+    assert result["pass_at_k"]["2"] >= result["pass_at_k"]["1"]
     # Both run fp32 greedy; only near-ties in the logits may differ.
     assert abs(result["greedy_accuracy"] - hf_accuracy) <= 0.02, (result["greedy_accuracy"], hf_accuracy)
 

@@ -92,14 +92,14 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
 @pytest.mark.slow
 @pytest.mark.alone
 def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_model):
-    out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=8", "bench.curve_every=2",
+    out = run_cli("bench", "sync-vs-async", "recipe=chain_sum_cot", "bench.train_s=6", "bench.curve_every=2",
                   "bench.target_accuracy=0.01", "algorithm.prompts_per_step=4",
                   "algorithm.n_samples_per_prompt=4", "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]",
                   "logging.wandb.enabled=false", "cluster.dashboard=false", f"run.output_dir={tmp_path / 'runs'}",
                   cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "sync_vs_async" and result["train_s"] == 8
+    assert result["bench"] == "sync_vs_async" and result["train_s"] == 6
     for key in ("sync_samples_per_s", "async_samples_per_s", "speedup", "sync_tokens_per_s", "async_tokens_per_s",
                 "tokens_speedup"):
         assert result[key] > 0
