@@ -111,8 +111,10 @@ def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_p
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
     assert max(r["engines/live"] for r in steps) == 2 and steps[-1]["engines/live"] == 1
     assert steps[-1]["engines/scale_events"] == 2
-    # no sync paused an engine, the one that joined included (it registered the adapter it was sent)
+    # no sync paused an engine, the one that joined included (it registered the adapter it was sent),
+    # so no loop was interrupted until the scale-down aborted the removed engine's requests
     assert all(r["sync/paused_s"] == 0 for r in steps)
+    assert all(r["rollout/interruptions"] == 0 for r in steps if r.get("engines/scale_events", 0) < 2)
     # the calls are counted (in total and by failure reason) and drawn
     assert steps[-1]["rollout/tool_calls"] > 0
     assert any(0 <= r.get("rollout/tool_call_validity", -1) <= 1 for r in steps)
