@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from asyncrl.trainer.batch import build_samples
@@ -18,13 +20,14 @@ class ProbedTrainerRank(TrainerRank):
 
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError("forward_logits needs pipeline_parallel_size=1")
-        ids = torch.tensor(token_ids, device=self.device)
-        b, n = ids.shape
-        pos = torch.arange(n, device=self.device).expand(b, n)
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1).expand(b, 1, n, n)
+        # the rows packed end to end into one, as the trainer packs a micro-batch (THD, cu_seqlens)
+        b, n = len(token_ids), len(token_ids[0])
+        row = SimpleNamespace(input_ids=torch.tensor([sum(token_ids, [])], device=self.device),
+                              position_ids=torch.arange(n, device=self.device).repeat(b)[None],
+                              cu_seqlens=torch.arange(0, b * n + 1, n, dtype=torch.int32), max_seqlen=n)
         self.model[0].eval()
-        logits = self.model[0](ids, pos, None if self.use_te else mask)
-        return gather_from_tensor_model_parallel_region(logits).float().cpu()
+        logits = self._forward(self.model[0], row)
+        return gather_from_tensor_model_parallel_region(logits).float().cpu().view(b, n, -1)
 
     def embedding_grad(self, groups: list) -> torch.Tensor:
         """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:

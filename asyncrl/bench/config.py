@@ -67,6 +67,11 @@ class BenchConfig:
     calibrate_tokens: list[int] = field(default_factory=lambda: [8, 72])
     lengths_from: str = ""
     scenario_out: str = ""
+    # trainer bench: a random model of this shape (asyncrl/bench/trainer.py SHAPES), trained on
+    # train_groups x n_samples trajectories of seq_len tokens a step, for trainer_steps timed steps
+    model_shape: str = "tiny"
+    seq_len: int = 1024
+    train_groups: int = 16
 
 
 def split_bench_overrides(args: list[str]) -> tuple[list[str], list[str]]:
@@ -133,6 +138,13 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
                         "one of them >= 16 (prefill is timed on those)")
     if len(b.calibrate_tokens) != 2 or not 1 <= b.calibrate_tokens[0] < b.calibrate_tokens[1]:
         problems.append(f"bench.calibrate_tokens={b.calibrate_tokens!r}: two lengths, 1 <= shorter < longer")
+    from asyncrl.bench.trainer import SHAPES
+
+    if b.model_shape not in SHAPES:
+        problems.append(f"bench.model_shape={b.model_shape!r}: must be one of {list(SHAPES)}")
+    for name in ("seq_len", "train_groups"):
+        if getattr(b, name) < (16 if name == "seq_len" else 1):
+            problems.append(f"bench.{name}={getattr(b, name)!r}: must be >= {16 if name == 'seq_len' else 1}")
     if b.train_s < 1:
         problems.append(f"bench.train_s={b.train_s!r}: must be >= 1")
     if problems:

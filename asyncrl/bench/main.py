@@ -11,6 +11,8 @@ baseline in the same run.
     routing-replay  MoE rollout routing replay (r3) against none, at staleness held at k
     simulate      a scenario on simulated backends, colocated sync vs async (`asyncrl simulate SCENARIO`)
     calibrate     this machine's engine, trainer and sync measured into a scenario (`asyncrl calibrate RECIPE`)
+    trainer       the trainer alone on a random model of a given shape: tokens/s, MFU against the device's
+                  matmul peak, peak memory, host share, weight staging (no Ray, no engines)
 
 `bench.*` settings are the benchmarks' own (asyncrl/bench/config.py); the rest is the
 training config, composed and validated as `asyncrl train` does.
@@ -39,6 +41,7 @@ BENCHMARKS = {
     "routing-replay": "asyncrl.bench.routing_replay:run_routing_replay_bench",
     "simulate": "asyncrl.bench.simulate:run_simulate_bench",
     "calibrate": "asyncrl.bench.calibrate:run_calibrate_bench",
+    "trainer": "asyncrl.bench.trainer:run_trainer_bench",
 }
 _selected: list[tuple[str, BenchConfig]] = []
 

@@ -270,7 +270,13 @@ class TrainerConfig:
     data_parallel_size: int = 1
     # MoE: experts split over this many of the data-parallel ranks (megatron's expert parallelism).
     expert_parallel_size: int = 1
-    micro_batch_size: int = 8  # trajectories packed into one forward/backward on one data-parallel rank
+    # A micro-batch (one forward/backward on one data-parallel rank) packs trajectories up to this
+    # many tokens (a longer trajectory is trained alone): memory is linear in it (docs/trainer.md).
+    max_tokens_per_micro_batch: int = 8192
+    micro_batch_size: int = 0  # and at most this many trajectories (0: no limit but the tokens)
+    # Activation recomputation: none | selective (the MLPs' activations, recomputed in backward) | full
+    # (each layer's, keeping only its input)
+    recompute: str = "none"
     mini_batches_per_step: int = 1  # optimizer updates per train step (>1: PPO-style, pi_prox != pi_theta)
     lr: float = 1e-4
     min_lr: float = 0.0

@@ -61,6 +61,7 @@ MAX_CONCURRENT_LOOPS = 16384  # rollout.max_concurrent_loops, per worker
 MAX_GROUP_SIZE = 1024  # algorithm.n_samples_per_prompt, eval.n_samples
 MAX_SAMPLES_PER_STEP = 1 << 20  # prompts_per_step x n_samples_per_prompt; trainer.micro_batch_size
 MAX_MODEL_LEN = 1 << 20  # engine.max_model_len, in tokens
+RECOMPUTE = ("none", "selective", "full")  # trainer.recompute
 MAX_NUM_SEQS = 16384  # engine.max_num_seqs
 MAX_PARALLEL = 1024  # each of the engine's and the trainer's parallel sizes
 MAX_THREADS = 1024  # trainer.torch_threads
@@ -231,7 +232,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
          f"must divide trainer.data_parallel_size={t.data_parallel_size} (experts are split over data-parallel ranks)")
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         within(f"trainer.{name}", getattr(t, name), 1, MAX_PARALLEL)
-    within("trainer.micro_batch_size", t.micro_batch_size, 1, MAX_SAMPLES_PER_STEP)
+    within("trainer.micro_batch_size", t.micro_batch_size, 0, MAX_SAMPLES_PER_STEP, "0: no limit but the tokens")
+    within("trainer.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 1, MAX_MODEL_LEN * 64)
+    one_of("trainer.recompute", t.recompute, RECOMPUTE)
     for name in ("mini_batches_per_step", "total_steps"):
         at_least(f"trainer.{name}", getattr(t, name), 1)
     need(t.lr > 0, "trainer.lr", t.lr, "must be > 0 (e.g. 1e-4)")

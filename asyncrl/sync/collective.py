@@ -126,10 +126,16 @@ def byte_checksum(tensor: torch.Tensor) -> int:
     """The tensor's bytes read as 64-bit integers and summed, wrapping around (a tail shorter
     than 8 bytes added byte by byte): exact, so two sides holding the same bytes always
     agree, and as fast as a float sum (an int32 sum is ~20x slower: torch widens it)."""
+    return int(byte_sum(tensor))
+
+
+def byte_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """`byte_checksum` as a 0-d int64 tensor on the tensor's device, not waited for: on a GPU,
+    stack many and read them in one `.tolist()` instead of a host synchronisation each."""
     flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
     whole = flat.numel() // 8 * 8
-    words = int(flat[:whole].view(torch.int64).sum()) if whole else 0
-    return words + int(flat[whole:].sum())
+    total = flat[:whole].view(torch.int64).sum()  # an empty sum is 0
+    return total + flat[whole:].sum() if whole < flat.numel() else total
 
 
 def bucket_checksums(buffer: torch.Tensor, bucket: list[TensorSlot], scratch: torch.Tensor | None = None) -> list[int]:

@@ -8,11 +8,13 @@
 2) `assign_weights` gives each token its aggregation weight within one optimizer
    update; `shard_for_data_parallel` gives each data-parallel rank a share, balanced
    by tokens.
-3) `micro_batches` + `pack`: samples are packed end to end into one row per
-   micro-batch (no padding, except a tail to a multiple of the tensor-parallel size
-   where sequence parallelism splits the row); a block-diagonal causal mask (CPU,
-   local layers) or cu_seqlens (Transformer Engine) keeps the sequences from seeing
-   each other.
+3) `micro_batches` + `pack`: samples go into micro-batches of at most
+   `trainer.max_tokens_per_micro_batch` tokens (first-fit decreasing; a longer sample alone),
+   each packed end to end into one row (no padding, except a tail to a multiple of the
+   tensor-parallel size where sequence parallelism splits the row); the row's cu_seqlens
+   keep the sequences from seeing each other (attention.py; Transformer Engine's THD
+   attention where installed). Nothing here or in the attention grows with the square of
+   a row: memory is linear in its tokens.
 """
 
 from __future__ import annotations
@@ -120,8 +122,25 @@ def shard_for_data_parallel(samples: list[TrainSample], dp_rank: int, dp_size: i
     return shards[dp_rank]
 
 
-def micro_batches(samples: list[TrainSample], micro_batch_size: int) -> list[list[TrainSample]]:
-    return [samples[i:i + micro_batch_size] for i in range(0, len(samples), micro_batch_size)]
+def micro_batches(samples: list[TrainSample], max_tokens: int, max_samples: int = 0) -> list[list[TrainSample]]:
+    """Samples into micro-batches of at most `max_tokens` tokens (and `max_samples` samples,
+    0: any number): first-fit decreasing, longest first into the first micro-batch with room;
+    a sample longer than `max_tokens` gets one of its own. Deterministic (ties keep their order).
+    The loss's aggregation weights are set per mini-batch beforehand, so how samples are grouped
+    changes no gradient (only the order of floating-point sums)."""
+    bins: list[list[TrainSample]] = []
+    room: list[int] = []
+    for s in sorted(samples, key=lambda s: -len(s.tokens)):
+        n = len(s.tokens)
+        for i, left in enumerate(room):
+            if n <= left and (not max_samples or len(bins[i]) < max_samples):
+                bins[i].append(s)
+                room[i] -= n
+                break
+        else:
+            bins.append([s])
+            room.append(max_tokens - n)
+    return bins
 
 
 @dataclass
@@ -149,18 +168,22 @@ class PackedBatch:
     routes: torch.Tensor | None = None
     routes_valid: torch.Tensor | None = None
 
-    def attention_mask(self) -> torch.Tensor:
-        """[1, 1, L, L] bool, True = may not attend: causal and block-diagonal per sequence."""
-        length = self.input_ids.shape[1]
-        seq_id = torch.zeros(length, dtype=torch.long)
-        for i in range(1, len(self.cu_seqlens) - 1):
-            seq_id[int(self.cu_seqlens[i]):] += 1
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        allowed = causal & (seq_id[:, None] == seq_id[None, :])
-        return (~allowed)[None, None]
-
     def to(self, device: torch.device) -> PackedBatch:
-        return PackedBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()})
+        """On `device`: the tensors the forward and the loss read, in one host-to-device copy
+        (pinned, asynchronous on CUDA); `cu_seqlens` stays on the host (the packed attention and
+        megatron's per-sequence rope read it there)."""
+        if device.type == "cpu":
+            return self
+        names = [k for k, v in vars(self).items() if isinstance(v, torch.Tensor) and k != "cu_seqlens"]
+        tensors = [getattr(self, k) for k in names]
+        # one flat int64/float32 staging buffer per dtype: few copies, each from pinned memory
+        moved = {}
+        for dtype in {t.dtype for t in tensors}:
+            group = [(k, t) for k, t in zip(names, tensors) if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for _, t in group]).pin_memory().to(device, non_blocking=True)
+            for (k, t), part in zip(group, flat.split([t.numel() for _, t in group])):
+                moved[k] = part.view(t.shape)
+        return PackedBatch(**{**vars(self), **moved})
 
 
 def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:

@@ -109,9 +109,11 @@ def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
     return inv_freq.float()
 
 
-def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, routing_replay: bool = False):
+def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, routing_replay: bool = False,
+                recompute: str = "none"):
     """An mbridge bridge for the HF checkpoint at `model_path`, set up for our layers (with
-    `routing_replay`, MoE routers that can replay given experts: moe_routing.py).
+    `routing_replay`, MoE routers that can replay given experts: moe_routing.py; `recompute`:
+    trainer.recompute, megatron's activation recomputation).
 
     Must be called after megatron's parallel state is initialised (the bridge reads it).
     """
@@ -151,6 +153,10 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
 
         RouterReplay.clear_global_router_replay_instances()
         bridge.set_extra_args(moe_enable_routing_replay=True)
+    if recompute == "full":  # each layer's input kept, the rest recomputed in backward
+        bridge.set_extra_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":  # the MLPs' (or MoE layers') activations, the largest per token
+        bridge.set_extra_args(recompute_granularity="selective", recompute_modules=["moe" if moe else "mlp"])
     mbridge_compat.map_output_layer(bridge)
     if not use_te:
         mbridge_compat.use_local_layer_spec(bridge)

@@ -67,11 +67,17 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
 
 
 def use_local_layer_spec(bridge: Any) -> None:
-    """Build megatron's local layers (plain torch) instead of Transformer Engine's."""
+    """Build megatron's local layers (plain torch) instead of Transformer Engine's, with the
+    packed attention (attention.py) in place of megatron's dense-mask `DotProductAttention`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from asyncrl.trainer.attention import PackedAttention
+
     def local_layer_spec(vp_stage=None):
-        return get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, vp_stage=vp_stage)
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = PackedAttention
+        return spec
 
     # mbridge's layer spec hard-codes Transformer Engine, which needs CUDA.
     bridge._get_transformer_layer_spec = local_layer_spec

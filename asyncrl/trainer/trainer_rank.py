@@ -44,7 +44,7 @@ from asyncrl.cpu_cores import bind_this_process
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.sync.collective import (
     BucketPlan,
-    byte_checksum,
+    byte_sum,
     create_group,
     dtype_name,
     pack_buckets,
@@ -142,7 +142,7 @@ class TrainerRank:
         path = self.cfg.model.path
         self.replay_routes = self.cfg.algorithm.routing_replay == "r3"
         self.bridge = load_bridge(path, self.dtype, use_te=self.use_te, cpu=self.on_cpu,
-                                  routing_replay=self.replay_routes)
+                                  routing_replay=self.replay_routes, recompute=t.recompute)
         # Sequence parallelism splits each packed row across the tensor-parallel ranks.
         self.sequence_parallel = self.bridge.config.sequence_parallel
         self.pack_multiple = self.tp_size if self.sequence_parallel else 1
@@ -282,8 +282,9 @@ class TrainerRank:
             if mini:
                 assign_weights(mini, aggregation)
                 mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
+                t = self.cfg.trainer
                 updates.append([pack(mb, self.pack_multiple)
-                                for mb in micro_batches(mine, self.cfg.trainer.micro_batch_size)])
+                                for mb in micro_batches(mine, t.max_tokens_per_micro_batch, t.micro_batch_size)])
         return updates
 
     def _update(self, batches: list[PackedBatch]) -> tuple[list[LossOutput], float]:
@@ -353,27 +354,25 @@ class TrainerRank:
         return rows[mpu.get_tensor_model_parallel_rank() * n:][:n]
 
     def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        if self.use_te:
-            from megatron.core.packed_seq_params import PackedSeqParams
+        """The packed row as megatron's THD format: rope restarts at every sequence, and the
+        attention (Transformer Engine's, or attention.py's on local layers) stays within each."""
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-            cu = batch.cu_seqlens
-            packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                     max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
-            return model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed)
-        return model(batch.input_ids, batch.position_ids, batch.attention_mask().to(self.device))
+        # TE's kernels read the boundaries on the GPU; the local path reads them on the host.
+        cu = batch.cu_seqlens.to(self.device) if self.use_te else batch.cu_seqlens
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+        # bf16 (Float16Module): logits stay bf16; the loss takes them to fp32 a chunk at a time
+        half = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        return model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed, **half)
 
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
-        from megatron.core import tensor_parallel
-
-        # [N, vocab / TP]: the rows that predict response tokens, at the sampling temperature
-        # (the engines report logprobs of the temperature-scaled distribution they sample from).
-        logits = logits[0, batch.logit_index].float() / self.cfg.rollout.temperature
+        # The rows that predict response tokens, at the sampling temperature (the engines report
+        # logprobs of the temperature-scaled distribution they sample from), in fp32 a chunk at a time.
+        logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.cfg.rollout.temperature,
+                                       with_entropy=not forward_only)
         if forward_only:
-            logp = -tensor_parallel.vocab_parallel_cross_entropy(logits, batch.targets)
-            return torch.zeros((), device=logits.device), logp.detach().cpu()
-        entropy = _vocab_parallel_entropy(logits)
-        # vocab_parallel_cross_entropy shifts its input in place: give it a copy.
-        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), batch.targets)
+            return torch.zeros((), device=logp.device), logp.detach().cpu()
         prox = batch.prox.to(self.device) if batch.prox is not None else logp.detach()
         ref = batch.ref.to(self.device) if batch.ref is not None else None
         out = policy_loss(logp, batch.mu, batch.advantages, batch.mask, batch.weights, self.cfg.algorithm.loss,
@@ -440,18 +439,19 @@ class TrainerRank:
         and starts the lag's history again from them (a restored run; the final evaluation).
         Returns seconds, the version staged and its per-tensor checksums."""
         t0 = time.monotonic()
-        checksums: dict[str, int] = {}
-
-        def tensors():
-            for name, t in self._export():
-                checksums[name] = byte_checksum(t)
-                yield name, t
-
         if self.rank != 0:
             for _ in self._export():
                 pass
-            return StagedWeights(time.monotonic() - t0, checksums, version)
-        buckets = pack_buckets(self.plan, tensors(), self.device)  # fills `checksums` as it packs
+            return StagedWeights(time.monotonic() - t0, {}, version)
+        sums: dict[str, torch.Tensor] = {}
+
+        def tensors():
+            for name, t in self._export():
+                sums[name] = byte_sum(t)  # on the device, read once below: no synchronisation per tensor
+                yield name, t
+
+        buckets = pack_buckets(self.plan, tensors(), self.device)
+        checksums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         staged_version, (self._staged, staged_checksums) = self._lag.stage(version, (buckets, checksums), newest)
         return StagedWeights(time.monotonic() - t0, staged_checksums, staged_version)
 
@@ -529,6 +529,44 @@ class TrainerRank:
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+# fp32 logits held at once by the loss: [chunk, vocab / TP] (2**26 floats, 256 MiB: 441 tokens of
+# Qwen3's 151,936-entry vocabulary); the tiny models' whole micro-batch fits in one chunk.
+LOGIT_CHUNK_ELEMENTS = 1 << 26
+
+
+def token_logprobs(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   with_entropy: bool = True,
+                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and the entropy of rows `index` of `logits` ([L, vocab / TP], the model's
+    dtype) divided by `temperature`, both [N] fp32. The fp32 logits of at most `chunk_elements`
+    exist at once: each chunk is recomputed in backward (activation checkpointing) instead of
+    being kept, so memory is the model's own logits plus one chunk, whatever N."""
+    chunk = max(1, chunk_elements // logits.shape[-1])
+    rows = logits[index]  # [N, vocab / TP], the model's dtype
+    if index.numel() <= chunk:
+        return _chunk_logprobs(rows, targets, temperature, with_entropy)
+    parts = []
+    # split, not slices: its backward joins the chunks' gradients in one copy
+    for part, part_targets in zip(rows.split(chunk), targets.split(chunk)):
+        if torch.is_grad_enabled() and rows.requires_grad:
+            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, part, part_targets, temperature,
+                                                           with_entropy, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(part, part_targets, temperature, with_entropy))
+    logp = torch.cat([p[0] for p in parts])
+    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+def _chunk_logprobs(rows, targets, temperature, with_entropy):
+    from megatron.core import tensor_parallel
+
+    rows = rows.float() / temperature
+    entropy = _vocab_parallel_entropy(rows) if with_entropy else None
+    # vocab_parallel_cross_entropy shifts its input in place: give it a copy where the entropy read it.
+    logp = -tensor_parallel.vocab_parallel_cross_entropy(rows.clone() if with_entropy else rows, targets)
+    return logp, entropy
 
 
 def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:

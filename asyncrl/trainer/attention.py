@@ -1,0 +1,114 @@
+"""Causal attention over a packed row of sequences, with memory linear in its tokens.
+
+A micro-batch is one row of several sequences end to end (batch.py). Megatron's local
+`DotProductAttention` needs a dense [L, L] mask for that and keeps [heads, L, L] scores per
+layer for backward: memory and time grow with the square of the packed row. This module
+takes its place in megatron's local layer spec (mbridge_compat.use_local_layer_spec) and
+reads the sequence boundaries from megatron's `PackedSeqParams` (THD format: q, k, v of
+shape [tokens, heads, dim], rope already applied per sequence by megatron), so no tensor
+of size L x L exists on any path:
+
+- CUDA: PyTorch's `varlen_attn` (FlashAttention over cu_seqlens, one call for the row)
+  where this torch has it; otherwise `scaled_dot_product_attention` per sequence (flash or
+  memory-efficient kernels: causal, no mask);
+- CPU: `scaled_dot_product_attention` per sequence (its CPU flash kernel; exact against
+  HF's eager attention within fp32 rounding).
+
+The loop over sequences is per sequence, not per token: a micro-batch holds a few to a
+few hundred. Where Transformer Engine is installed the trainer keeps TE's own THD attention.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+
+@cache
+def _varlen_params() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_kernel() -> str:
+    """Which attention runs packed rows on CUDA: "varlen_attn" (torch >= 2.10) or "sdpa" per sequence."""
+    # causal via window_size=(-1, 0) (torch 2.13) or is_causal (2.10); GQA natively or by repeating k, v
+    return "varlen_attn" if {"window_size", "is_causal"} & _varlen_params() else "sdpa"
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int],
+                            max_seqlen: int, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row.
+
+    query [T, Hq, D], key and value [T, Hkv, D] (Hq a multiple of Hkv: grouped-query
+    attention); `cu_seqlens` the sequence boundaries (0, ..., T). Returns [T, Hq * D].
+    """
+    tokens, heads, dim = query.shape
+    if query.is_cuda and dropout_p == 0.0 and varlen_kernel() == "varlen_attn":
+        out = _varlen_attn(query, key, value, cu_seqlens, max_seqlen, scale)
+    else:
+        out = torch.empty_like(query)
+        gqa = key.shape[1] != heads
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if end == start:
+                continue
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, H, l, D]
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
+    return out.reshape(tokens, heads * dim)
+
+
+def _varlen_attn(query, key, value, cu_seqlens: list[int], max_seqlen: int, scale: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32).to(query.device, non_blocking=True)
+    kwargs = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
+
+
+class PackedAttention(torch.nn.Module):
+    """Megatron's core-attention interface (as `DotProductAttention`) over THD packed rows."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs Transformer Engine's attention")
+        if config.window_size is not None:
+            raise ValueError("sliding-window attention is not supported by the packed attention")
+        self.config = config
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is not supported by the packed attention")
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("PackedAttention needs THD packed_seq_params (the trainer passes them for every row)")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the packed attention")
+        cu = packed_seq_params.cu_seqlens_q
+        cu = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
+        return packed_causal_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
+                                       self.softmax_scale, self.dropout_p if self.training else 0.0)
