@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh --fetch   # where pip reaches PyPI: the wheels a bare GPU machine lacks, into .whl/
 #   bash scripts/gpu_check.sh           # on the GPU machine (PyTorch with CUDA, cupy, transformers there):
 #                                       # installs .whl/*.whl into a private dir, then runs the check
-#   bash scripts/gpu_check.sh scale     # there: the trainer at real sizes (gpu_check.py --scale)
+#   bash scripts/gpu_check.sh scale [1.7b_1k,0.6b_16k]  # there: the trainer at real sizes (gpu_check.py --scale)
 # The GPU machine's Python is 3.12 (GPU_PYTHON_VERSION to change it); vLLM and Ray are not needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [ "${1:-}" = scale ]; then  # the trainer at real sizes (the trainer-scale issue): at most 10 minutes
-  exec timeout 600 "$PYTHON" scripts/gpu_check.py --scale
+  exec timeout 600 "$PYTHON" scripts/gpu_check.py --scale cuda ${2:+--cases "$2"}
 fi
 exec timeout 480 "$PYTHON" scripts/gpu_check.py

@@ -120,7 +120,9 @@ def reference_loss_hf(model, samples) -> torch.Tensor:
 
 def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_model, tokenizer):
     """The whole path (packing, masks, logprob indexing, loss, megatron's backward) gives the
-    gradient that the formula gives on the HF model, token by token."""
+    gradient that the formula gives on the HF model, token by token: with micro-batches of 5
+    samples; of at most 100 tokens (a token budget: 4 x 3 samples of 30-31 tokens, the same gradient); and with
+    the loss's fp32 logits taken 3 tokens at a time (chunks recomputed in backward)."""
     from asyncrl.trainer.batch import assign_weights, build_samples
 
     groups = make_groups(tokenizer, n_groups=3, n=4, seed=7)
@@ -132,15 +134,21 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_mode
             n0 = len(t.prompt_token_ids)
             t.segments[0].logprobs = [lp[n0 - 1 + j, x].item() - 0.1 * (j % 3) for j, x in
                                       enumerate(t.response_token_ids)]
-    grad = run_trainer(["trainer.micro_batch_size=5"],
-                       lambda group: group.on_ranks(lambda r: r.embedding_grad.remote(groups)))
+    vocab = hf.config.vocab_size
+    grads = run_trainer(["trainer.micro_batch_size=5"], lambda group: [
+        group.on_ranks(lambda r: r.embedding_grad.remote(groups)),
+        group.on_ranks(lambda r: r.embedding_grad.remote(groups, max_tokens=100)),
+        group.on_ranks(lambda r: r.embedding_grad.remote(groups, logit_chunk=3 * vocab))])
     samples = build_samples(groups, load_config([]).algorithm.loss).samples
     assign_weights(samples, "token")
     hf.zero_grad()
     reference_loss_hf(hf, samples).backward()
     ref = hf.model.embed_tokens.weight.grad
-    assert grad.shape == ref.shape and ref.norm() > 0.1
-    assert torch.allclose(grad, ref, atol=1e-5, rtol=1e-4), (grad - ref).abs().max()
+    assert ref.norm() > 0.1 and sorted({len(s.tokens) for s in samples}) == [30, 31]
+    assert grads[0][1] == [5, 5, 2] and grads[1][1] == [3, 3, 3, 3]
+    for grad, _ in grads:
+        assert grad.shape == ref.shape
+        assert torch.allclose(grad, ref, atol=1e-5, rtol=1e-4), (grad - ref).abs().max()
 
 
 def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the_adapters(ray_cluster, tokenizer,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -22,25 +23,40 @@ class ProbedTrainerRank(TrainerRank):
             raise NotImplementedError("forward_logits needs pipeline_parallel_size=1")
         # the rows packed end to end into one, as the trainer packs a micro-batch (THD, cu_seqlens)
         b, n = len(token_ids), len(token_ids[0])
+        cu = torch.arange(0, b * n + 1, n, dtype=torch.int32)
         row = SimpleNamespace(input_ids=torch.tensor([sum(token_ids, [])], device=self.device),
                               position_ids=torch.arange(n, device=self.device).repeat(b)[None],
-                              cu_seqlens=torch.arange(0, b * n + 1, n, dtype=torch.int32), max_seqlen=n)
+                              cu_seqlens=cu, cu_seqlens_device=cu.to(self.device), max_seqlen=n)
         self.model[0].eval()
         logits = self._forward(self.model[0], row)
         return gather_from_tensor_model_parallel_region(logits).float().cpu().view(b, n, -1)
 
-    def embedding_grad(self, groups: list) -> torch.Tensor:
+    def embedding_grad(self, groups: list, max_tokens: int | None = None,
+                       logit_chunk: int | None = None) -> tuple[torch.Tensor, list[int]]:
         """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:
-        the whole loss path against a reference implementation (TP=1)."""
+        the whole loss path against a reference implementation (TP=1); and the number of samples
+        in each micro-batch. `max_tokens` / `logit_chunk`: another token budget per micro-batch /
+        fp32 logits held at once by the loss, for this call."""
         if self.tp_size > 1 or self.dp_size > 1:
             raise NotImplementedError("embedding_grad is for single-rank checks")
+        cfg, chunk = self.cfg, self.logit_chunk
+        if max_tokens is not None:
+            self.cfg = replace(cfg, trainer=replace(cfg.trainer, max_tokens_per_micro_batch=max_tokens))
+        self.logit_chunk = logit_chunk or chunk
+        try:
+            return self._embedding_grad(groups)
+        finally:
+            self.cfg, self.logit_chunk = cfg, chunk
+
+    def _embedding_grad(self, groups: list) -> tuple[torch.Tensor, list[int]]:
         batches = [b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
                    for b in update]
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self._run(self.model, batches, forward_only=False)
-        return self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
+        grad = self.model[0].module.embedding.word_embeddings.weight.main_grad.detach().cpu().clone()
+        return grad, [len(b.cu_seqlens) - 1 for b in batches]
 
     def routes_used(self, groups: list) -> list[dict]:
         """For each packed micro-batch of these groups (this rank's share): the experts every router

@@ -37,10 +37,12 @@ from asyncrl.config.schema import AGGREGATIONS, LOSS_TYPES, LossConfig
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # scalar: sum over tokens of per-token loss times its aggregation weight
-    # Sums over trained tokens (divide by `tokens` for means) and maxima, for metrics.
-    sums: dict[str, float] = field(default_factory=dict)
-    maxima: dict[str, float] = field(default_factory=dict)
-    tokens: int = 0
+    # Sums over trained tokens (divide by `tokens` for means) and maxima, for metrics: 0-d tensors
+    # on the loss's device, read (`float`) once per step rather than once per micro-batch (on a
+    # GPU each read waits for the device).
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxima: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: torch.Tensor | int = 0
 
 
 def aggregation_weights(masks: list[torch.Tensor], mode: str) -> list[torch.Tensor]:
@@ -71,8 +73,8 @@ def policy_loss(
     mask = mask.float()
     trained = mask > 0
     eps_lo, eps_hi, cap = settings.clip_eps_low, settings.clip_eps_high, settings.importance_cap
-    sums: dict[str, float] = {}
-    maxima: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
+    maxima: dict[str, torch.Tensor] = {}
 
     if settings.type not in LOSS_TYPES:
         raise ValueError(f"loss type {settings.type!r}: valid are {LOSS_TYPES}")
@@ -80,7 +82,7 @@ def policy_loss(
         ratio = torch.exp(logp.detach() - mu)
         w = ratio.clamp(max=cap)
         per_token = -w * advantages * logp
-        sums["is_weight_truncated"] = float(((ratio > cap) & trained).sum())
+        sums["is_weight_truncated"] = ((ratio > cap) & trained).sum()
         clipped = torch.zeros_like(trained)
     else:
         anchor = mu if settings.type == "grpo" else prox
@@ -92,36 +94,37 @@ def policy_loss(
         per_token = -torch.minimum(unclipped, clipped_obj)
         # A token is clipped when the clamp, not the ratio, sets its objective (no gradient).
         clipped = (clipped_obj < unclipped) & trained
-        sums["clip_low"] = float(((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum())
-        sums["clip_high"] = float(((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum())
+        sums["clip_low"] = ((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum()
+        sums["clip_high"] = ((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum()
         if settings.type == "decoupled_ppo":
             raw_w = torch.exp(prox - mu)
             w = raw_w.clamp(max=cap)
             per_token = w * per_token
-            sums["is_weight_truncated"] = float(((raw_w > cap) & trained).sum())
+            sums["is_weight_truncated"] = ((raw_w > cap) & trained).sum()
         else:
             w = torch.ones_like(ratio)
-    sums["clip_fraction"] = float(clipped.sum())
-    sums["ratio"] = float((ratio.detach() * mask).sum())
-    maxima["ratio"] = float(ratio.detach()[trained].max()) if trained.any() else 0.0
-    sums["is_weight"] = float((w.detach() * mask).sum())
-    maxima["is_weight"] = float(w.detach()[trained].max()) if trained.any() else 0.0
+    sums["clip_fraction"] = clipped.sum()
+    sums["ratio"] = (ratio.detach() * mask).sum()
+    sums["is_weight"] = (w.detach() * mask).sum()
+    # ratio and w are positive: over trained tokens only, 0 when there are none
+    maxima["ratio"] = (ratio.detach() * mask).max() if mask.numel() else mask.new_zeros(())
+    maxima["is_weight"] = (w.detach() * mask).max() if mask.numel() else mask.new_zeros(())
 
     if ref_logp is not None and settings.kl_coef > 0:
         d = ref_logp - logp
         k3 = torch.exp(d) - d - 1
         per_token = per_token + settings.kl_coef * k3
-        sums["kl_ref"] = float((k3.detach() * mask).sum())
+        sums["kl_ref"] = (k3.detach() * mask).sum()
     if entropy is not None:
         if settings.entropy_coef > 0:
             per_token = per_token - settings.entropy_coef * entropy
-        sums["entropy"] = float((entropy.detach() * mask).sum())
+        sums["entropy"] = (entropy.detach() * mask).sum()
 
     # Behaviour vs proximal mismatch, k3 estimator of KL(mu || pi_prox) on tokens sampled from mu.
     if prox is not None:
         log_r = (prox - mu).detach()
-        sums["mismatch_kl"] = float(((torch.exp(log_r) - log_r - 1) * mask).sum())
-        maxima["mismatch_abs_logratio"] = float(log_r.abs()[trained].max()) if trained.any() else 0.0
+        sums["mismatch_kl"] = ((torch.exp(log_r) - log_r - 1) * mask).sum()
+        maxima["mismatch_abs_logratio"] = (log_r.abs() * mask).max() if mask.numel() else mask.new_zeros(())
 
     loss = (per_token * weights * mask).sum()
-    return LossOutput(loss=loss, sums=sums, maxima=maxima, tokens=int(mask.sum()))
+    return LossOutput(loss=loss, sums=sums, maxima=maxima, tokens=mask.sum())

@@ -19,8 +19,9 @@ trajectories of `bench.seq_len` tokens (prompt 1/8, response 7/8) with the proje
                      2048^3 on CPU): the baseline, not a spec sheet
     mfu              model_tflops / peak_tflops
     peak_memory_gb   CUDA: max allocated by torch; CPU: the process's peak RSS
-    host_share       CUDA: the share of a profiled step in which the GPU ran no kernel (host work,
-                     launches, synchronisations); null on CPU
+    host_share       CUDA: the share of a step in which the GPU ran no kernel (host work, launches,
+                     synchronisations): 1 - (kernel time of a profiled step) / (median unprofiled
+                     step); null on CPU. host_top_ms: the profiled step's host operations by CPU time
     staging_gb_per_s the weights packed into broadcast buckets with their checksums (`stage_weights`)
 """
 
@@ -121,16 +122,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def gpu_idle_share(rank, groups: list, version: int) -> float:
-    """The share of one train step's wall time in which no CUDA kernel ran (profiled)."""
+def gpu_busy_profile(rank, groups: list, version: int) -> tuple[float, list[list]]:
+    """One profiled train step: the seconds in which at least one CUDA kernel ran, and the host
+    operations that took the most CPU time of their own ([name, ms], a diagnosis of host work)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
         rank.train_step(groups, version)
         torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams may overlap)
@@ -138,7 +138,8 @@ def gpu_idle_share(rank, groups: list, version: int) -> float:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    return max(0.0, 1.0 - busy / wall_us)
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    return busy / 1e6, [[e.key, round(e.self_cpu_time_total / 1e3, 1)] for e in host]
 
 
 def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
@@ -170,10 +171,12 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
             steps.append(time.perf_counter() - t)
         peak_mem = (torch.cuda.max_memory_allocated() if device.type == "cuda"
                     else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        host_share = None
+        host_share, host_top = None, None
         if device.type == "cuda":
             try:
-                host_share = gpu_idle_share(rank, groups, bench.trainer_steps + 1)
+                busy_s, host_top = gpu_busy_profile(rank, groups, bench.trainer_steps + 1)
+                # the kernels' time against an unprofiled step's wall time (profiling slows the host)
+                host_share = max(0.0, 1.0 - busy_s / statistics.median(steps))
             except Exception as e:  # noqa: BLE001  (a profiler that cannot run costs this figure, not the bench)
                 logger.warning("host share not measured: the profiled step failed: %s", e)
         staging = []
@@ -201,7 +204,7 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "params": info.params_this_rank, "step_s": [round(s, 3) for s in steps],
         "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 2), "peak_tflops": round(peak, 2),
         "mfu": round(tflops / peak, 4), "peak_memory_gb": round(peak_mem / 2**30, 2),
-        "host_share": None if host_share is None else round(host_share, 4),
+        "host_share": None if host_share is None else round(host_share, 4), "host_top_ms": host_top,
         "staging_gb_per_s": round(info.weight_bytes / min(staging) / 1e9, 2),
         "weight_gb": round(info.weight_bytes / 1e9, 3),
         "loss": metrics["train/loss"], "model_build_s": round(build_s, 1),

@@ -39,20 +39,25 @@ def _varlen_params() -> frozenset[str]:
 
 def varlen_kernel() -> str:
     """Which attention runs packed rows on CUDA: "varlen_attn" (torch >= 2.10) or "sdpa" per sequence."""
-    # causal via window_size=(-1, 0) (torch 2.13) or is_causal (2.10); GQA natively or by repeating k, v
+    # causal via window_size=(-1, 0) (torch 2.11, 2.13) or is_causal (2.10); GQA natively (2.13) or
+    # by repeating k and v (2.11 has no enable_gqa)
     return "varlen_attn" if {"window_size", "is_causal"} & _varlen_params() else "sdpa"
 
 
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int],
-                            max_seqlen: int, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                            max_seqlen: int, scale: float, dropout_p: float = 0.0,
+                            cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each sequence of a packed row.
 
     query [T, Hq, D], key and value [T, Hkv, D] (Hq a multiple of Hkv: grouped-query
-    attention); `cu_seqlens` the sequence boundaries (0, ..., T). Returns [T, Hq * D].
+    attention); `cu_seqlens` the sequence boundaries (0, ..., T), and `cu_seqlens_device` the
+    same as an int32 tensor on the query's device if the caller has it. Returns [T, Hq * D].
     """
     tokens, heads, dim = query.shape
     if query.is_cuda and dropout_p == 0.0 and varlen_kernel() == "varlen_attn":
-        out = _varlen_attn(query, key, value, cu_seqlens, max_seqlen, scale)
+        if cu_seqlens_device is None or cu_seqlens_device.device != query.device:
+            cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=query.device)
+        out = _varlen_attn(query, key, value, cu_seqlens_device, max_seqlen, scale)
     else:
         out = torch.empty_like(query)
         gqa = key.shape[1] != heads
@@ -66,11 +71,10 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.reshape(tokens, heads * dim)
 
 
-def _varlen_attn(query, key, value, cu_seqlens: list[int], max_seqlen: int, scale: float) -> torch.Tensor:
+def _varlen_attn(query, key, value, cu: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32).to(query.device, non_blocking=True)
     kwargs = {"scale": scale}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # causal
@@ -108,7 +112,11 @@ class PackedAttention(torch.nn.Module):
             raise ValueError("PackedAttention needs THD packed_seq_params (the trainer passes them for every row)")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the packed attention")
-        cu = packed_seq_params.cu_seqlens_q
-        cu = cu.tolist() if isinstance(cu, torch.Tensor) else list(cu)
-        return packed_causal_attention(query, key, value, cu, int(packed_seq_params.max_seqlen_q),
-                                       self.softmax_scale, self.dropout_p if self.training else 0.0)
+        # the boundaries on the query's device (for a varlen kernel) and on the host (for a loop);
+        # the trainer gives both (trainer_rank._forward), so neither needs a synchronisation
+        on_device, on_host = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+        if on_host is None or on_host.device.type != "cpu":
+            raise ValueError("PackedAttention needs the sequence boundaries on the host as cu_seqlens_q_padded")
+        return packed_causal_attention(query, key, value, on_host.tolist(), int(packed_seq_params.max_seqlen_q),
+                                       self.softmax_scale, self.dropout_p if self.training else 0.0,
+                                       cu_seqlens_device=on_device)

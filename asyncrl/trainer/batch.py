@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,7 +150,7 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, L]
     position_ids: torch.Tensor  # [1, L], restarting at 0 for each sequence
-    cu_seqlens: torch.Tensor  # [n + 1] int32 sequence boundaries (Transformer Engine THD)
+    cu_seqlens: torch.Tensor  # [n + 1] int32 sequence boundaries (THD), on the host
     max_seqlen: int
     # For the N response tokens of the micro-batch (in sample order):
     logit_index: torch.Tensor  # [N] position whose logits predict the token (its own position - 1)
@@ -167,15 +168,18 @@ class PackedBatch:
     # trained logit depends on them).
     routes: torch.Tensor | None = None
     routes_valid: torch.Tensor | None = None
+    # `cu_seqlens` on the device the batch was moved to (`to`): what attention kernels read.
+    cu_seqlens_device: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> PackedBatch:
-        """On `device`: the tensors the forward and the loss read, in one host-to-device copy
-        (pinned, asynchronous on CUDA); `cu_seqlens` stays on the host (the packed attention and
-        megatron's per-sequence rope read it there)."""
+        """On `device`: the tensors the forward and the loss read, in one host-to-device copy per
+        dtype (pinned, asynchronous on CUDA); `cu_seqlens` stays on the host too (megatron's
+        per-sequence rope and the per-sequence attention read it there without a synchronisation)."""
         if device.type == "cpu":
-            return self
-        names = [k for k, v in vars(self).items() if isinstance(v, torch.Tensor) and k != "cu_seqlens"]
-        tensors = [getattr(self, k) for k in names]
+            return dataclasses.replace(self, cu_seqlens_device=self.cu_seqlens)
+        host = dataclasses.replace(self, cu_seqlens_device=self.cu_seqlens)
+        names = [k for k, v in vars(host).items() if isinstance(v, torch.Tensor) and k != "cu_seqlens"]
+        tensors = [getattr(host, k) for k in names]
         # one flat int64/float32 staging buffer per dtype: few copies, each from pinned memory
         moved = {}
         for dtype in {t.dtype for t in tensors}:
@@ -183,7 +187,7 @@ class PackedBatch:
             flat = torch.cat([t.reshape(-1) for _, t in group]).pin_memory().to(device, non_blocking=True)
             for (k, t), part in zip(group, flat.split([t.numel() for _, t in group])):
                 moved[k] = part.view(t.shape)
-        return PackedBatch(**{**vars(self), **moved})
+        return dataclasses.replace(host, **moved)
 
 
 def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:

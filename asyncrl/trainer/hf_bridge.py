@@ -158,6 +158,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     elif recompute == "selective":  # the MLPs' (or MoE layers') activations, the largest per token
         bridge.set_extra_args(recompute_granularity="selective", recompute_modules=["moe" if moe else "mlp"])
     mbridge_compat.map_output_layer(bridge)
+    mbridge_compat.skip_single_stage_broadcasts()
     if not use_te:
         mbridge_compat.use_local_layer_spec(bridge)
         mbridge_compat.map_local_layer_norms(bridge)

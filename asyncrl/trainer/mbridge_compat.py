@@ -31,6 +31,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.models.qwen2", "Qwen2Bridge._DIRECT_MAPPING"),
     ("mbridge.models.llama", "LLaMABridge._DIRECT_MAPPING"),
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated"),
+    ("mbridge.core.bridge", "broadcast_from_megatron_pp"),
+    ("mbridge.core.bridge", "broadcast_str_from_megatron_pp"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -63,6 +65,10 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("mbridge.core.bridge", "Bridge._weight_name_mapping_mcore_local_to_global", "model.state_dict().keys()"),
     ("mbridge.core.bridge", "Bridge.load_weights",
      "local_to_global_map = self._weight_name_mapping_mcore_local_to_global(model)"),
+    # Why skip_single_stage_broadcasts: the export broadcasts every tensor and its name over the
+    # pipeline group, whatever its size.
+    ("mbridge.core.bridge", "Bridge.export_weights", "broad_pp_param = broadcast_from_megatron_pp(param)"),
+    ("mbridge.core.util", "broadcast_from_megatron_pp", "torch.distributed.all_gather_object("),
 ]
 
 
@@ -139,6 +145,29 @@ def set_rope_frequencies(model: Any, inv_freq: torch.Tensor) -> None:
     # argument for llama3's low/high_freq_factor or original context (mcore 0.16.1).
     rope.inv_freq = inv_freq.to(device=rope.inv_freq.device, dtype=torch.float32)
     rope.seq_len_interpolation_factor = None  # `inv_freq` already holds any scaling
+
+
+def skip_single_stage_broadcasts() -> None:
+    """With one pipeline stage, mbridge's export takes each tensor and its name as they are,
+    instead of sending them to itself. Idempotent; with several stages its own functions run."""
+    # Bridge.export_weights runs two all_gather_objects and two broadcasts per tensor on the
+    # pipeline group even at size 1: on NCCL a host synchronisation each, which held weight
+    # staging to 3-13 GB/s on an H200 (mbridge 0.15.1).
+    import mbridge.core.bridge as bridge_module
+    from megatron.core import parallel_state as mpu
+
+    if getattr(bridge_module.broadcast_from_megatron_pp, "_asyncrl_single_stage", False):
+        return
+    originals = bridge_module.broadcast_from_megatron_pp, bridge_module.broadcast_str_from_megatron_pp
+
+    def passthrough(original):
+        def broadcast(obj):
+            return obj if mpu.get_pipeline_model_parallel_world_size() == 1 else original(obj)
+
+        broadcast._asyncrl_single_stage = True
+        return broadcast
+
+    bridge_module.broadcast_from_megatron_pp, bridge_module.broadcast_str_from_megatron_pp = map(passthrough, originals)
 
 
 def hf_names(bridge: Any, mcore_name: str) -> list[str]:

@@ -95,6 +95,7 @@ class TrainerRank:
         self._lag = PolicyLag(cfg.algorithm.policy_lag)
         # trainer.lora: adapters on the frozen base; weight syncs and exports carry the adapters
         self.lora = cfg.trainer.lora if cfg.trainer.lora.rank else None
+        self.logit_chunk = LOGIT_CHUNK_ELEMENTS  # fp32 logits the loss holds at once (token_logprobs)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -226,10 +227,12 @@ class TrainerRank:
         t0, cpu0 = time.monotonic(), time.process_time()
         lc = self.cfg.algorithm.loss
         step = build_samples(groups, lc)
-        stats: dict[str, float] = {}
-        maxima: dict[str, float] = {}
-        tokens = 0
-        loss_sum = 0.0  # the objective as the loss defines it (weights sum to 1 per update), averaged over updates
+        # floats, or 0-d tensors on the device (the loss's statistics), read once at the end of the step
+        stats: dict[str, float | torch.Tensor] = {}
+        maxima: dict[str, float | torch.Tensor] = {}
+        tokens: float | torch.Tensor = 0
+        loss_sum: float | torch.Tensor = 0.0  # the objective as the loss defines it (weights sum to 1 per update),
+        # averaged over updates
         grad_norms = []
         updates = self._packed_updates(step.samples)
         if self.router_stats is not None:
@@ -245,12 +248,12 @@ class TrainerRank:
             outputs, grad_norm = self._update(batches)
             grad_norms.append(grad_norm)
             for out in outputs:
-                tokens += out.tokens
-                loss_sum += float(out.loss.detach()) / len(updates)
+                tokens = tokens + out.tokens
+                loss_sum = loss_sum + out.loss.detach() / len(updates)
                 for name, v in out.sums.items():
                     stats[name] = stats.get(name, 0.0) + v
                 for name, v in out.maxima.items():
-                    maxima[name] = max(maxima.get(name, v), v)
+                    maxima[name] = torch.maximum(maxima[name], v) if name in maxima else v
             for b in batches:
                 trained = b.mask > 0
                 stale = staleness(policy_version, b.versions[trained]).float()
@@ -259,6 +262,8 @@ class TrainerRank:
                 for s in range(self.cfg.algorithm.max_staleness + 1):  # the same names on every rank
                     stats[f"staleness_share_{s}"] = stats.get(f"staleness_share_{s}", 0.0) + float((stale == s).sum())
         self.step += 1
+        stats, maxima = _read(stats), _read(maxima)
+        tokens, loss_sum = _read({"tokens": tokens, "loss": loss_sum}).values()
         metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
         if self.router_stats is not None:
@@ -358,9 +363,14 @@ class TrainerRank:
         attention (Transformer Engine's, or attention.py's on local layers) stays within each."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        # TE's kernels read the boundaries on the GPU; the local path reads them on the host.
-        cu = batch.cu_seqlens.to(self.device) if self.use_te else batch.cu_seqlens
+        # The kernels read the boundaries on the device (`cu_seqlens_q`, moved with the batch);
+        # megatron's per-sequence rope reads the "padded" ones, equal here (no padding inside a
+        # sequence), as a host list: on the host it needs no synchronisation per layer. TE reads both
+        # on the device.
+        cu, host = batch.cu_seqlens_device, batch.cu_seqlens
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 cu_seqlens_q_padded=cu if self.use_te else host,
+                                 cu_seqlens_kv_padded=cu if self.use_te else host,
                                  max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
         # bf16 (Float16Module): logits stay bf16; the loss takes them to fp32 a chunk at a time
         half = {"fp32_output": False} if self.dtype != torch.float32 else {}
@@ -370,7 +380,7 @@ class TrainerRank:
         # The rows that predict response tokens, at the sampling temperature (the engines report
         # logprobs of the temperature-scaled distribution they sample from), in fp32 a chunk at a time.
         logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.cfg.rollout.temperature,
-                                       with_entropy=not forward_only)
+                                       with_entropy=not forward_only, chunk_elements=self.logit_chunk)
         if forward_only:
             return torch.zeros((), device=logp.device), logp.detach().cpu()
         prox = batch.prox.to(self.device) if batch.prox is not None else logp.detach()
@@ -381,7 +391,7 @@ class TrainerRank:
         # megatron divides each micro-batch loss by their number and DDP averages over ranks.
         return out.loss * num_micro * self.dp_size, out
 
-    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float], tokens: int,
+    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float], tokens: float,
                         loss: float) -> dict[str, float]:
         """Sum/max over all ranks (TP ranks hold copies: divided out) into means per trained token."""
         names = sorted(set(sums) | {"clip_fraction", "clip_low", "clip_high", "ratio", "is_weight", "staleness",
@@ -529,6 +539,13 @@ class TrainerRank:
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _read(values: dict[str, Any]) -> dict[str, float]:
+    """`values` as floats, the tensors among them read in one device-to-host copy (all on one device)."""
+    names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    read = torch.stack([values[k].double().reshape(()) for k in names]).tolist() if names else []
+    return {k: float(v) for k, v in {**values, **dict(zip(names, read))}.items()}
 
 
 # fp32 logits held at once by the loss: [chunk, vocab / TP] (2**26 floats, 256 MiB: 441 tokens of
