@@ -55,6 +55,8 @@ bench: venv base-model
 	$(BIN)/asyncrl bench staleness recipe=arith | tee build/bench/staleness.log
 	$(BIN)/asyncrl bench staleness recipe=arith "bench.losses=[]" "bench.staleness=[0,2,4]" \
 		"bench.pause_modes=[abort,keep]" "bench.seeds=[1]" | tee build/bench/keep_abort.log
+	for L in 512 1024 2048; do $(BIN)/asyncrl bench trainer recipe=arith trainer.max_tokens_per_micro_batch=16384 \
+		bench.seq_len=$$L bench.train_groups=1 bench.n_samples=8 bench.trainer_steps=1 | tee build/bench/trainer_$$L.log; done
 	@for f in build/bench/*.log; do echo "$$f: $$(tail -n 1 $$f)"; done
 
 lint: venv

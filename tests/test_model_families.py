@@ -149,6 +149,7 @@ class Probed:
     path: Path
     setup_s: float
     logits: torch.Tensor | None  # None at PP 2 (the probe needs the whole model on one rank)
+    logits_alone: torch.Tensor | None  # the second row's, packed alone (the first: both rows in one)
     exported: dict[str, torch.Tensor]
     metrics: dict
     trained: dict[str, torch.Tensor]
@@ -195,13 +196,14 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         group.setup()
         setup_s = time.monotonic() - t0
         logits = group.on_ranks(lambda r: r.forward_logits.remote(TOKEN_IDS)) if pp == 1 else None
+        alone = group.on_ranks(lambda r: r.forward_logits.remote(TOKEN_IDS[1:])) if pp == 1 else None
         exported = load_file(f"{group.export_hf(str(out / 'before'))}/model.safetensors")
         replayed = group.on_ranks(lambda r: r.routes_used.remote(groups)) if arch in MOE_FAMILIES else None
         metrics = group.train_step(groups, 0).metrics
         trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
     finally:
         group.shutdown()
-    done = Probed(arch, layout, path, setup_s, logits, exported, metrics, trained, replayed)
+    done = Probed(arch, layout, path, setup_s, logits, alone, exported, metrics, trained, replayed)
     TRAINED_AT[(arch, layout)] = done
     return done
 
@@ -215,9 +217,11 @@ def test_logits_equal_hf(probed):
         ref = hf(torch.tensor(TOKEN_IDS)).logits
     assert probed.logits.shape == ref.shape == (2, 64, hf.config.vocab_size)
     diff = (probed.logits - ref).abs().max().item()
-    print(f"\n{probed.arch} {probed.layout}: max |logit - HF| = {diff:.2e} "
+    # the two rows packed into one (THD, as a micro-batch) and the second alone: neither sees the other
+    alone = (probed.logits_alone[0] - ref[1]).abs().max().item()
+    print(f"\n{probed.arch} {probed.layout}: max |logit - HF| = {diff:.2e} packed, {alone:.2e} alone "
           f"(|logits| up to {ref.abs().max():.1f}; trainer setup {probed.setup_s:.1f} s)")
-    assert diff < LOGIT_ATOL
+    assert diff < LOGIT_ATOL and alone < LOGIT_ATOL
 
 
 @pytest.mark.slow

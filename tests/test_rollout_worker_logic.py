@@ -12,6 +12,7 @@ import json
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from asyncrl.agents.api import run_sample
@@ -22,10 +23,11 @@ from asyncrl.config.schema import AgentConfig
 from asyncrl.control.step_metrics import tool_call_validity
 from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
+from asyncrl.rollout.trust import TrajectoryLimits, group_problem
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem
-from asyncrl.types import Trajectory, TrajectoryStatus
+from asyncrl.types import RoutedExperts, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
 from tests.scripted_inference import Reply, ScriptedInference
 
 
@@ -460,3 +462,86 @@ def test_a_bounded_evaluation_sends_at_most_its_limit_until_unbound():
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
+
+
+# -- what a remote env server answers (asyncrl/rollout/trust.py) ------------------------------------
+
+def _remote_group(n: int = 2, **change) -> TrajectoryGroup:
+    """A well-formed answer of `n` trajectories, with `change` applied to the first (field -> value)."""
+    trajs = [Trajectory("far:0", "g", [1, 2, 3], [Segment.from_policy([7, 8], [-0.5, -1.5], 2)], reward=float(i % 2))
+             for i in range(n)]
+    for name, value in change.items():
+        if name in ("token_ids", "logprobs", "versions", "loss_mask"):
+            setattr(trajs[0].segments[0], name, value)
+        else:
+            setattr(trajs[0], name, value)
+    return TrajectoryGroup("g", "far:0", trajs)
+
+
+ROUTES = RoutedExperts.from_array(np.zeros((4, 2, 2), dtype=np.uint8))
+LIMITS = TrajectoryLimits(vocab_size=512, newest_version=3, routes=(2, 2, 8))
+UNTRAINABLE = {  # what a hostile or buggy server can send, and the reason it is refused for
+    "no trajectories": (_remote_group(0), "0 trajectories for a group of 2"),
+    "one too many": (_remote_group(3), "3 trajectories for a group of 2"),
+    "NaN reward": (_remote_group(reward=float("nan")), "reward nan is not a finite number"),
+    "infinite reward": (_remote_group(reward=float("inf")), "reward inf"),
+    "NaN logprob": (_remote_group(logprobs=[float("nan"), -1.0]), "logprobs that are not finite"),
+    "positive logprob": (_remote_group(logprobs=[0.5, -1.0]), "logprobs that are not finite numbers <= 0"),
+    "token id of 2**70": (_remote_group(token_ids=[2**70, 8]), "token ids outside the vocabulary [0, 512)"),
+    "token past the vocabulary": (_remote_group(token_ids=[512, 8]), "token ids outside the vocabulary"),
+    "negative token id": (_remote_group(token_ids=[-1, 8]), "token ids outside the vocabulary"),
+    "empty prompt": (_remote_group(prompt_token_ids=[]), "an empty prompt"),
+    "version from the future": (_remote_group(versions=[2, 4]), "policy version 4, newer than any engine's (3)"),
+    "loss mask of 2": (_remote_group(loss_mask=[2, 1]), "a loss mask of other values"),
+    "routes of the wrong shape": (_remote_group(routes=RoutedExperts(bytes(12), 3, 2)),
+                                  "routes of 3 layers x top-2, the model's are 2 x 2"),
+    "expert id out of range": (_remote_group(routes=RoutedExperts(bytes([9]) + bytes(15), 2, 2)),
+                               "expert ids outside [0, 8)"),
+}
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("what", UNTRAINABLE)
+def test_an_untrainable_remote_group_is_refused_with_its_reason(what):
+    group, reason = UNTRAINABLE[what]
+    assert reason in (group_problem(group, 2, LIMITS) or "")
+
+
+def test_a_well_formed_remote_group_passes():
+    assert group_problem(_remote_group(), 2, LIMITS) is None
+    assert group_problem(_remote_group(routes=ROUTES), 2, LIMITS) is None
+    dense = TrajectoryLimits(vocab_size=512)
+    assert "routes, for a model without experts" in group_problem(_remote_group(routes=ROUTES), 2, dense)
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("what", ["NaN reward", "one too many", "no trajectories", "token id of 2**70"])
+def test_the_worker_counts_an_untrainable_remote_group_as_a_failed_one(cfg, problems, monkeypatch, what):
+    """Through the worker: the group ends as n failed trajectories (never queued for training), one
+    remote_error counted with its reason; n + 1 trajectories no longer raise, 0 no longer hang."""
+    monkeypatch.setenv("ASYNCRL_ENV_TOKEN", "t")
+    spec = AgentConfig(env_id="far", type="remote", weight=1.0, params={"url": "http://127.0.0.1:9"})
+    remote = RemoteAgent(spec, agent_params(spec), cfg)
+    agents = WeightedMultiTask([build_agents(cfg)[cfg.recipe.name], remote], block_size=2)
+    answer, reason = UNTRAINABLE[what]
+
+    async def grouped_rollout(problem, group_size, inference, group_id="", sampling=None):
+        return answer
+
+    monkeypatch.setattr(remote, "grouped_rollout", grouped_rollout)
+    problem = dataclasses.replace(problems[0], prompt_id="far:0", env_id="far")
+
+    async def scenario():
+        worker, holder = make_worker(cfg, agents=agents)
+        holder.engine = answering(worker, [])
+        await worker.submit([problem], n=2)
+        await asyncio.wait_for(worker.drain(), 30)
+        await worker.gateway.stop()
+        return worker
+
+    worker = asyncio.run(scenario())
+    (group,) = worker.take_groups()
+    assert [t.status for t in group.trajectories] == [TrajectoryStatus.FAILED] * 2
+    assert "env 'far' answered an untrainable group" in group.trajectories[0].failure_reason
+    assert reason.split(" (")[0].split(",")[0] in group.trajectories[0].failure_reason
+    assert worker.get_stats().failures == {"remote_error": 1}

@@ -35,7 +35,7 @@ BAD_OVERRIDES = [
     (["engine.cpu_kvcache_space_gib=1000000"], "engine.cpu_kvcache_space_gib=1000000: must be in [1, 4096]"),
     (["algorithm.n_samples_per_prompt=100000"], "algorithm.n_samples_per_prompt=100000: must be <= 1024"),
     (["algorithm.prompts_per_step=10000000"], "must be <= 1048576 samples per step"),
-    (["trainer.micro_batch_size=100000000"], "trainer.micro_batch_size=100000000: must be in [1, 1048576]"),
+    (["trainer.micro_batch_size=100000000"], "trainer.micro_batch_size=100000000: must be in [0, 1048576]"),
     (["trainer.data_parallel_size=100000"], "trainer.data_parallel_size=100000: must be in [1, 1024]"),
     (["trainer.torch_threads=1000000"], "trainer.torch_threads=1000000: must be in [0, 1024]"),
     (["trainer.weight_sync_bucket_mb=1e12"], "trainer.weight_sync_bucket_mb=1000000000000.0: must be in (0, 16384] MB"),

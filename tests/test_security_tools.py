@@ -311,6 +311,17 @@ SYSCALLS = {
     "packet socket": "libc.socket(17, 3, 0)",
     "vsock socket": "libc.socket(40, 1, 0)",
     "raw IP socket": "libc.socket(2, 3, 1)",
+    # memory outside RLIMIT_AS: SysV segments outlive their process in the call's IPC namespace, memfd
+    # files are only address space while mapped; the legacy AIO table is host-wide
+    "SysV shared memory": "libc.shmget(0, 1 << 20, 0o1600)",  # IPC_PRIVATE, IPC_CREAT | 0600
+    "SysV message queue": "libc.msgget(0, 0o1600)",
+    "SysV semaphores": "libc.semget(0, 1, 0o1600)",
+    "memfd_create": "libc.syscall(319, b'x', 0)",
+    "memfd_secret": "libc.syscall(447, 0)",
+    "io_setup": "libc.syscall(206, 65536, ctypes.byref(ctypes.c_ulong(0)))",
+    "io_submit": "libc.syscall(209, 0, 0, 0)",
+    "netlink socketpair": "libc.socketpair(16, 3, 0, (ctypes.c_int * 2)())",
+    "vsock socketpair": "libc.socketpair(40, 1, 0, (ctypes.c_int * 2)())",
 }
 
 

@@ -189,3 +189,23 @@ def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the
     assert set(w1) == set(w2) == set(base)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-3
     assert any(not torch.equal(w1[k], base[k]) for k in base)
+
+
+def test_a_non_finite_gradient_skips_the_update_and_the_next_step_trains(ray_cluster, tokenizer, tmp_path):
+    """The trainer's last guard (docs/security.md): a NaN that reaches the loss (here a behaviour
+    logprob) never reaches the weights: the update is skipped and counted; the next step trains."""
+    poisoned = make_groups(tokenizer, seed=3)
+    poisoned[0].trajectories[0].segments[0].logprobs[0] = float("nan")
+
+    def steps(group):
+        before = exported_state(group, tmp_path / "before")
+        skipped = group.train_step(poisoned, 0).metrics
+        after_skip = exported_state(group, tmp_path / "skipped")
+        trained = group.train_step(make_groups(tokenizer, seed=4), 0).metrics
+        return before, skipped, after_skip, trained, exported_state(group, tmp_path / "trained")
+
+    before, skipped, after_skip, trained, after = run_trainer([], steps)
+    assert skipped["train/updates_skipped_nonfinite"] == 1 and trained["train/updates_skipped_nonfinite"] == 1
+    assert all(torch.equal(before[k], after_skip[k]) for k in before)
+    assert all(torch.isfinite(after[k]).all() for k in after) and any(not torch.equal(before[k], after[k])
+                                                                       for k in before)

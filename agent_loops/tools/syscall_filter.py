@@ -6,9 +6,10 @@ compiled BPF (`bwrap --seccomp FD`), which installs it just before the sandbox's
 
 A deny list over a default of allow, like Docker's default profile: an allow list would have to
 follow every syscall a Python release, glibc or a /usr program starts to use. What it refuses is
-kernel attack surface that RL-generated code has no use for: asynchronous I/O rings, userfaultfd,
-keyrings (shared by every process of a uid), new namespaces (in which code would hold every
-capability), raw / packet / netlink / vsock and other non-IP sockets, execution domains, tracing,
+kernel attack surface that RL-generated code has no use for: asynchronous I/O rings and legacy AIO,
+userfaultfd, memory outside the address-space limit (SysV IPC, memfd), keyrings (shared by every
+process of a uid), new namespaces (in which code would hold every capability), raw / packet /
+netlink / vsock and other non-IP sockets (socket and socketpair), execution domains, tracing,
 mounts, kernel modules, BPF, perf events, and the clock / reboot / swap / quota calls. `clone3`
 answers ENOSYS, because its flags sit behind a pointer a filter cannot read; glibc then falls back
 to `clone`, whose namespace flags are checked. System calls of another ABI (i386, x32) kill the
@@ -23,8 +24,12 @@ import tempfile
 
 # Refused whatever their arguments.
 DENIED = (
-    # asynchronous I/O rings and userfaultfd: the kernel's most exploited interfaces of recent years
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
+    # asynchronous I/O rings and userfaultfd: the kernel's most exploited interfaces of recent years;
+    # the legacy AIO table, host-wide (one call could fill all of fs.aio-max-nr)
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "io_setup", "io_submit",
+    # memory no process limit counts: SysV segments outlive their creator in the call's IPC namespace;
+    # memfd files are not address space (RLIMIT_AS), only mapped views of them are
+    "shmget", "msgget", "semget", "memfd_create", "memfd_secret",
     # keyrings: per uid, not per call, so a channel between calls
     "add_key", "request_key", "keyctl",
     # namespaces and mounts
@@ -42,8 +47,10 @@ DENIED = (
 CLONE_NAMESPACE_FLAGS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                          0x40000000)  # NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 # Socket families allowed: AF_UNIX (1), AF_INET (2), AF_INET6 (10); in the sandbox's network namespace
-# they reach nothing but themselves. Every other family (netlink 16, packet 17, vsock 40, ...) is refused.
+# they reach nothing but themselves. Every other family (netlink 16, packet 17, vsock 40, ...) is refused,
+# and socketpair() (which reaches each family's create code too) for any family but AF_UNIX.
 ALLOWED_SOCKET_FAMILIES = (1, 2, 10)
+AF_UNIX = 1
 MAX_SOCKET_FAMILY = 64
 SOCKET_TYPE_MASK, SOCK_RAW, SOCK_PACKET = 0xF, 3, 10
 # personality(): only the default execution domain (PER_LINUX); a filter cannot also allow the query
@@ -87,6 +94,7 @@ def filter_bpf() -> bytes:
         if family not in ALLOWED_SOCKET_FAMILIES:
             f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(deny, "socket", sc.Arg(0, sc.GE, MAX_SOCKET_FAMILY))
+    f.add_rule(deny, "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
     for kind in (SOCK_RAW, SOCK_PACKET):
         f.add_rule(deny, "socket", sc.Arg(1, sc.MASKED_EQ, SOCKET_TYPE_MASK, kind))
     f.add_rule(deny, "personality", sc.Arg(0, sc.NE, PER_LINUX))

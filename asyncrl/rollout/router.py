@@ -38,6 +38,7 @@ class EngineRouter:
         self.assigned = [0] * len(engines)
         self.failed: dict[int, str] = {}  # engine index -> why it was marked failed
         self.failovers = 0  # requests that ended because their engine failed
+        self.newest_version = -1  # the newest policy version any engine's answer carried
         self._any_live = asyncio.Event()
         self._any_live.set()
 
@@ -105,7 +106,7 @@ class StickyEngineClient(InferenceInterface):
         index, channel = self.index, router.channels[self.index]
         router.outstanding[index] += 1
         try:
-            return await channel.generate(prompt_token_ids, sampling, request_id)
+            result = await channel.generate(prompt_token_ids, sampling, request_id)
         except EngineUnavailable as e:
             if router.channels[index] is channel:  # not a replaced engine's old channel
                 router.mark_failed(index, str(e))
@@ -113,3 +114,6 @@ class StickyEngineClient(InferenceInterface):
             return GenerationResult([], [], [], "abort")
         finally:
             router.outstanding[index] -= 1
+        if result.versions:  # a request's versions never decrease: its last is its newest
+            router.newest_version = max(router.newest_version, result.versions[-1])
+        return result

@@ -51,6 +51,7 @@ from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
+from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits
 from asyncrl.tasks import Problem
 from asyncrl.types import (
     AgentLoopSnapshot,
@@ -137,6 +138,7 @@ class RolloutWorker:
         self._sample_tasks: set[asyncio.Task] = set()  # of them, the local loops (not remote groups)
         self._pending: dict[str, _PendingGroup] = {}  # admitted groups not yet emitted
         self._group_counter = itertools.count()
+        self._model_limits: TrajectoryLimits | None = None  # read from the model's config when first needed
         # Engines behind one routed interface that waits out weight syncs: evaluation, and
         # (served over HTTP on first use) the env servers of remote agents.
         self.gateway = InferenceGateway(self.inference, self.tokenizer, self._resumed)
@@ -357,9 +359,14 @@ class RolloutWorker:
                     done = await group.agent.grouped_rollout(group.problem, n, self.gateway, group.group_id,
                                                              self.sampling)
                     trajs = done.trajectories
+                    # an answer our engines and model cannot have produced is refused like a failed server
+                    bad = group_problem(done, n, self._remote_limits())
+                    why = None if bad is None else f"env {group.agent.env_id!r} answered an untrainable group: {bad}"
                 except Exception as e:  # the server or the network failed: a failed group, counted
-                    logger.warning("worker-%d: remote group %s failed: %s", self.worker_id, group.group_id, e)
-                    failure = Failure("remote_error", str(e))
+                    why = str(e)
+                if why is not None:
+                    logger.warning("worker-%d: remote group %s failed: %s", self.worker_id, group.group_id, why)
+                    failure = Failure("remote_error", why)
                     self._count(failure)
                     trajs = [Trajectory(group.problem.prompt_id, group.group_id, list(group.prompt_token_ids),
                                         status=TrajectoryStatus.FAILED, env_id=group.agent.env_id,
@@ -370,6 +377,14 @@ class RolloutWorker:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _remote_limits(self) -> TrajectoryLimits:
+        """What a remote group's tokens may be: the model's vocabulary and experts, and no version
+        newer than the engines have answered this worker with."""
+        if self._model_limits is None:
+            self._model_limits = model_limits(self.cfg.model.path)
+        newest = self.router.newest_version if self.router is not None else None
+        return replace(self._model_limits, newest_version=newest)
 
     async def _finish(self, group: _PendingGroup, index: int, traj: Trajectory) -> None:
         self.stats.trajectories_finished += 1

@@ -38,6 +38,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.dist_checkpointing.strategies.torch", "_get_filesystem_reader"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.cuda_dtoh_stream"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"),
+    ("megatron.core.tensor_parallel.random", "_get_all_rng_states"),
+    ("megatron.core.tensor_parallel.random", "_set_all_rng_states"),
 ]
 
 # Why each patch is still needed, and what it must match: (module, attribute path or ""
@@ -66,6 +68,9 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "global_input_tokens, group=self.tp_group"),
     ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
      "if te_general_gemm is not None and router_dtype != torch.float64:"),
+    # Activation recomputation (trainer.recompute) saves and restores the CUDA RNG state.
+    ("megatron.core.tensor_parallel.random", "_get_all_rng_states", "cuda_rng_state = _get_cuda_rng_state("),
+    ("megatron.core.tensor_parallel.random", "CheckpointFunction.backward", "_set_all_rng_states(*ctx.rng_states)"),
     # Every torch DCP reader of megatron's load path comes from _get_filesystem_reader.
     ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load",
      "fsr = _get_filesystem_reader(checkpoint_dir, cache_metadata=True)"),
@@ -170,6 +175,20 @@ def _fp32_optimizer_init_cpu(self, optimizer, config, init_state_fn) -> None:
     self.is_stub_optimizer = optimizer is None
 
 
+def _get_all_rng_states_cpu():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    # what megatron's returns, without the CUDA generator's state: the tracker's are CPU states here
+    return torch.get_rng_state(), None, get_cuda_rng_tracker().get_states()
+
+
+def _set_all_rng_states_cpu(cpu_rng_state, cuda_rng_state, cuda_rng_state_tracker) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(cpu_rng_state)
+    get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+
 def _moe_dispatcher_sync_cpu(self, point, tokens_per_expert=None):
     # The MoE routing counts are CPU tensors already: no device-to-host copy, no stream to wait
     # on; only the expert-parallel all-to-all's split sizes become numpy, as megatron's copy makes them.
@@ -215,6 +234,8 @@ REPLACEMENTS: list[tuple[str, str, object]] = [
     ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", _fp32_optimizer_init_cpu),
     ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", _grad_norm_fp32_cpu),
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+    ("megatron.core.tensor_parallel.random", "_get_all_rng_states", _get_all_rng_states_cpu),
+    ("megatron.core.tensor_parallel.random", "_set_all_rng_states", _set_all_rng_states_cpu),
 ]
 
 
@@ -253,6 +274,7 @@ def apply_cpu_patches() -> None:
     import megatron.core.optimizer.optimizer as mcore_optimizer
     import megatron.core.pipeline_parallel.schedules as mcore_schedules
     from megatron.core.optimizer.optimizer import FP32Optimizer
+    from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -269,6 +291,9 @@ def apply_cpu_patches() -> None:
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
     # The schedules count tokens in torch.zeros(..., device="cuda") (mcore 0.16.1).
     mcore_schedules.torch = _TorchOnCpu()
+    # Activation recomputation keeps the CUDA generator's state beside the CPU one (mcore 0.16.1).
+    mp_random._get_all_rng_states = _get_all_rng_states_cpu
+    mp_random._set_all_rng_states = _set_all_rng_states_cpu
     # The MoE all-to-all dispatcher makes a CUDA stream for its device-to-host copies when the
     # first one is built, and syncs on it at every forward (mcore 0.16.1); neither exists on CPU.
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_CUDA_STREAM

@@ -59,6 +59,7 @@ from asyncrl.trainer.batch import (
     pack,
     shard_for_data_parallel,
 )
+from asyncrl.trainer.logprobs import LOGIT_CHUNK_ELEMENTS, token_logprobs
 from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import read_trainer_state, write_trainer_state
 from asyncrl.types import staleness
@@ -96,6 +97,7 @@ class TrainerRank:
         # trainer.lora: adapters on the frozen base; weight syncs and exports carry the adapters
         self.lora = cfg.trainer.lora if cfg.trainer.lora.rank else None
         self.logit_chunk = LOGIT_CHUNK_ELEMENTS  # fp32 logits the loss holds at once (token_logprobs)
+        self.skipped_updates = 0  # optimizer updates skipped for a non-finite gradient (_update)
 
     # -- setup ---------------------------------------------------------------------
 
@@ -269,6 +271,7 @@ class TrainerRank:
         if self.router_stats is not None:
             metrics.update(self.router_stats.reduce(1 if self.sequence_parallel else self.tp_size, self.device))
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
+        metrics["train/updates_skipped_nonfinite"] = self.skipped_updates  # in this run so far
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/step_s"] = time.monotonic() - t0
         # CPU seconds this rank's process used in the step; well below step_s on a CPU run, the
@@ -307,10 +310,26 @@ class TrainerRank:
                 self.router_stats.enabled = False
         for param in self.tp_fold_params:
             param.main_grad.div_(self.tp_size)
+        outputs = [r for r in results if isinstance(r, LossOutput)]
+        if not self._grads_finite():  # the last guard: NaN or inf never reaches the weights
+            self.skipped_updates += 1
+            logger.warning("trainer step %d: a gradient is not finite (loss %s): this update is skipped (%d so far)",
+                           self.step + 1, [float(o.loss) for o in outputs][:4], self.skipped_updates)
+            return outputs, 0.0
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
-        return [r for r in results if isinstance(r, LossOutput)], float(grad_norm or 0.0)
+        return outputs, float(grad_norm or 0.0)
+
+    def _grads_finite(self) -> bool:
+        """Every gradient of every rank is finite (after the data-parallel all-reduce): one flag,
+        reduced over the trainer's world so that every rank skips or steps alike."""
+        finite = torch.ones((), device=self.device)
+        for m in self.model:
+            for buffer in m.buffers + m.expert_parallel_buffers:
+                finite = finite * torch.isfinite(buffer.grad_data).all()
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        return bool(finite)
 
     @torch.no_grad()
     def _logprobs(self, model: list[torch.nn.Module], batch: PackedBatch) -> torch.Tensor | None:
@@ -546,52 +565,3 @@ def _read(values: dict[str, Any]) -> dict[str, float]:
     names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
     read = torch.stack([values[k].double().reshape(()) for k in names]).tolist() if names else []
     return {k: float(v) for k, v in {**values, **dict(zip(names, read))}.items()}
-
-
-# fp32 logits held at once by the loss: [chunk, vocab / TP] (2**26 floats, 256 MiB: 441 tokens of
-# Qwen3's 151,936-entry vocabulary); the tiny models' whole micro-batch fits in one chunk.
-LOGIT_CHUNK_ELEMENTS = 1 << 26
-
-
-def token_logprobs(logits: torch.Tensor, index: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool = True,
-                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) and the entropy of rows `index` of `logits` ([L, vocab / TP], the model's
-    dtype) divided by `temperature`, both [N] fp32. The fp32 logits of at most `chunk_elements`
-    exist at once: each chunk is recomputed in backward (activation checkpointing) instead of
-    being kept, so memory is the model's own logits plus one chunk, whatever N."""
-    chunk = max(1, chunk_elements // logits.shape[-1])
-    rows = logits[index]  # [N, vocab / TP], the model's dtype
-    if index.numel() <= chunk:
-        return _chunk_logprobs(rows, targets, temperature, with_entropy)
-    parts = []
-    # split, not slices: its backward joins the chunks' gradients in one copy
-    for part, part_targets in zip(rows.split(chunk), targets.split(chunk)):
-        if torch.is_grad_enabled() and rows.requires_grad:
-            parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, part, part_targets, temperature,
-                                                           with_entropy, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(part, part_targets, temperature, with_entropy))
-    logp = torch.cat([p[0] for p in parts])
-    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
-
-
-def _chunk_logprobs(rows, targets, temperature, with_entropy):
-    from megatron.core import tensor_parallel
-
-    rows = rows.float() / temperature
-    entropy = _vocab_parallel_entropy(rows) if with_entropy else None
-    # vocab_parallel_cross_entropy shifts its input in place: give it a copy where the entropy read it.
-    logp = -tensor_parallel.vocab_parallel_cross_entropy(rows.clone() if with_entropy else rows, targets)
-    return logp, entropy
-
-
-def _vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each row's softmax when the vocabulary is split over tensor-parallel ranks."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    if mpu.get_tensor_model_parallel_world_size() > 1:
-        logits = gather_from_tensor_model_parallel_region(logits)
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
