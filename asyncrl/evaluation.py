@@ -44,6 +44,9 @@ class EvalResult:
     mean_response_tokens: float
     seconds: float
     per_env: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the policy versions its samples' tokens carry, as the engines tagged them (empty: not recorded,
+    # e.g. `asyncrl eval`); an evaluation of one policy has exactly one
+    versions: list[int] = field(default_factory=list)
 
     def summary(self) -> str:
         ks = "  ".join(f"pass@{k} {v:.1%}" for k, v in self.pass_at_k.items())
@@ -67,7 +70,8 @@ def eval_result(cfg: Config, model: str, responses: list[EvaluationResponse], tr
         model=model, num_problems=len(pooled.results), greedy_accuracy=m.get("greedy_accuracy", 0.0),
         pass_at_k={k: m[f"pass@{k}"] for k in pass_k if f"pass@{k}" in m}, n_samples=n,
         temperature=cfg.eval.temperature, mean_response_tokens=m.get("mean_response_tokens", 0.0),
-        seconds=time.time() - t0, per_env={resp.env_id: resp.metrics() for resp in responses})
+        seconds=time.time() - t0, per_env={resp.env_id: resp.metrics() for resp in responses},
+        versions=sorted({v for resp in responses for v in resp.versions}))
 
 
 def evaluate_with_workers(cfg: Config, workers: list, agents: WeightedMultiTask, problems: list[Problem],
@@ -107,6 +111,7 @@ def _merge(per_worker: list[list[EvaluationResponse]]) -> list[EvaluationRespons
         for r in responses:
             if r.env_id in merged:
                 merged[r.env_id].results += r.results
+                merged[r.env_id].versions = sorted(set(merged[r.env_id].versions) | set(r.versions))
             else:
                 merged[r.env_id] = r
     return list(merged.values())

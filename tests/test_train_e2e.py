@@ -53,11 +53,12 @@ def verl_data(directory: Path) -> list[str]:
 
 
 def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, plots: bool = True,
-              faults: bool = False, weights: bool = True) -> dict:
+              faults: bool = False, weights: bool = True, deferred: bool = False) -> dict:
     """The invariants of a finished run: every admitted prompt accounted for, no trained token
-    staler than eta, a sync after every step. steps=None: as many as the run took (at least 1).
-    faults: the run recovered from faults (steps done again after a restart are logged twice).
-    weights: the run exported a policy (simulated backends train none)."""
+    staler than eta, a sync after every step (but those an evaluation held back), every evaluation
+    of one policy. steps=None: as many as the run took (at least 1). faults: the run recovered
+    from faults (steps done again after a restart are logged twice). weights: the run exported a
+    policy (simulated backends train none). deferred: a sync point came while an evaluation ran."""
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = steps or summary["steps"]
     assert summary["steps"] == steps >= 1 and summary["samples"] > 0
@@ -73,7 +74,13 @@ def check_run(run_dir: Path, eta: int, steps: int | None = 3, batch: int = 4, pl
     trained = list({r["step"]: r for r in records if "train/staleness_max" in r}.values())  # the last of each
     assert len(trained) == steps
     assert all(r["train/staleness_max"] <= eta for r in trained)
-    assert all(r["policy/version"] == r["step"] for r in trained)  # a sync after every step
+    # a sync after every step, but those held back while an evaluation beside training ran
+    assert all(r["policy/version"] == r["step"] - r["policy/syncs_deferred"] for r in trained)
+    # every evaluation measured one policy: each of its samples' tokens carries the version it is logged with
+    evals = [r for r in records if "eval/greedy_accuracy" in r]
+    assert evals and all(r["eval/sample_versions"] == [r["eval/policy_version"]] for r in evals), \
+        [(r["step"], r["eval/policy_version"], r["eval/sample_versions"]) for r in evals]
+    assert not deferred or any(r.get("eval/sync_deferred") for r in records)
     # response lengths: what was trained is part of what finished (stale and filtered groups too)
     count = {k: [sum(r[f"length/{k}_hist"].values()) for r in trained] for k in ("trained", "finished")}
     assert all(t <= f for t, f in zip(count["trained"], count["finished"])) and sum(count["finished"]) > 0
@@ -93,6 +100,7 @@ def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_p
     two steps later to stop (`asyncrl stop`: the final evaluation and export as at the end)."""
     out = run_cli("bench", "elastic", "recipe=arith_tool", *verl_data(tmp_path),
                   *[s for s in TINY_SETTINGS if not s.startswith("trainer.total_steps=")], *MODES["tool_loop"],
+                  "eval.max_concurrent=1",  # its evaluation at step 2 still runs at step 3's sync point
                   "trainer.total_steps=60", "engine.num_engines=1", "engine.num_cpus_per_engine=0.5",
                   "bench.engine_schedule=[[1,2],[2,1]]", "bench.steps_after_scale=2", f"run.output_dir={tmp_path}",
                   cwd=tmp_path, timeout=900)
@@ -101,7 +109,7 @@ def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_p
     assert "base accuracy" in log and "-> final accuracy" in log and "plots:" in log
     run_dir = tmp_path / "run"
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    check_run(run_dir, eta=1, steps=None)
+    check_run(run_dir, eta=1, steps=None, deferred=True)
     assert 5 <= result["steps"] < 60  # stopped by `asyncrl stop`
     assert result["bench"] == "elastic" and result["scale_events"] == 2 and result["engines"] == [1, 2, 1]
     assert result["prompts_lost"] == result["prompts_trained_twice"] == result["staleness_violations"] == 0

@@ -176,6 +176,9 @@ class EvaluationResponse:
     pass_k: list[int]
     temperature: float
     seconds: float = 0.0
+    # The policy versions the engines tagged its samples' tokens with (a rollout worker's record of
+    # what its engines answered; empty where none was kept)
+    versions: list[int] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
         """Greedy accuracy, unbiased pass@k (a sample is correct only at reward 1.0), mean sampled
@@ -201,7 +204,8 @@ class EvaluationResponse:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvaluationResponse:
         return cls(env_id=d["env_id"], results=[ProblemResult(**r) for r in d["results"]], pass_k=list(d["pass_k"]),
-                   temperature=d["temperature"], seconds=d.get("seconds", 0.0))
+                   temperature=d["temperature"], seconds=d.get("seconds", 0.0),
+                   versions=[int(v) for v in d.get("versions", [])])
 
 
 # -- the agent --------------------------------------------------------------------------

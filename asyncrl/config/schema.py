@@ -444,13 +444,17 @@ class EvalConfig:
     pass_k: list[int] = field(default_factory=lambda: [1, 8])
     temperature: float = 1.0
     periodic_pass_k: bool = True  # evaluations during training sample pass@k too (not only greedy)
+    # Evaluations during training take the first this many held-out problems of each env (0: all
+    # num_problems); the base and final evaluations take num_problems.
+    periodic_num_problems: int = 100
     # Evaluations during training run on the engines beside the rollouts (the trainer goes on; the
-    # result is logged at the step it arrives, with the policy versions it spanned), each worker
-    # sending at most `max_concurrent` of their requests at once. false: training waits for them.
-    # 16 beside 64 rollout loops: the evaluation takes ~1/5 of the engine for longer, and the steps
-    # it overlaps keep ~0.9x their samples/s (64: ~0.7x; docs/demo.md).
+    # result is logged at the step it arrives), each worker sending at most `max_concurrent` of
+    # their requests at once. The engines keep the evaluated policy until the evaluation ends:
+    # weight syncs wait (the trainer trains on, as with sync_every_steps > 1), at most
+    # `max_deferred_syncs` of them; then training waits for it. false: training waits for them.
     beside_training: bool = True
     max_concurrent: int = 16
+    max_deferred_syncs: int = 2
     # `asyncrl eval` only: an OpenAI-compatible completions endpoint (e.g. `vllm serve`) to
     # evaluate instead of starting vLLM; empty: vLLM in process on model.path.
     endpoint: str = ""

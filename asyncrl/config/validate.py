@@ -193,6 +193,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
     one_of("engine.dtype", c.engine.dtype, DTYPES)
     within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
     at_least("eval.max_concurrent", c.eval.max_concurrent, 1)
+    at_least("eval.max_deferred_syncs", c.eval.max_deferred_syncs, 0, "0: training waits for an evaluation "
+             "at the next weight sync")
+    at_least("eval.periodic_num_problems", c.eval.periodic_num_problems, 0, "0: eval.num_problems")
     need(not c.eval.adapter or os.path.isfile(os.path.join(c.eval.adapter, "adapter_config.json")),
          "eval.adapter", c.eval.adapter, "not a PEFT adapter directory (no adapter_config.json)")
     within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)

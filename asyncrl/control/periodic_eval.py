@@ -1,11 +1,16 @@
 """Held-out evaluation every `eval.every_steps` steps, beside training or in its place.
 
-Beside training (`eval.beside_training`, the default) an evaluation runs on the engines next
-to the rollouts, each worker sending at most `eval.max_concurrent` of its requests at once,
-while the trainer goes on with what is queued; its result is logged at the step it arrives,
-tagged with the policy versions the engines held when it started and when it ended (weight
-syncs happen meanwhile: a response may span two versions). One runs at a time: one due while
-another runs is skipped (logged). Otherwise training waits for each evaluation, as before.
+Beside training (`eval.beside_training`, the default) an evaluation runs on the engines next to
+the rollouts, each worker sending at most `eval.max_concurrent` of its requests at once, while the
+trainer goes on with what is queued. It measures one policy, the one the engines held when it
+started: until it ends the driver defers the engines' weight syncs (`holds_engines`; the trainer
+trains on, as with `algorithm.sync_every_steps` > 1), at most `eval.max_deferred_syncs` in a row,
+after which training waits for it (`wait`). Its result is logged at the step it arrives, with the
+versions its samples carry (`eval/sample_versions`: the one it is labelled with). It takes the
+first `eval.periodic_num_problems` held-out problems of each env, so that it ends within a few
+steps; the final evaluation takes all `eval.num_problems`. An evaluation due while another runs
+is skipped and counted (`eval/skipped`). Otherwise (`beside_training=false`) training waits for
+each evaluation.
 """
 
 from __future__ import annotations
@@ -28,27 +33,48 @@ class PeriodicEvaluation:
     def __init__(self, cfg: Config, agents: WeightedMultiTask, problems: list[Problem]):
         self.cfg, self.agents, self.problems = cfg, agents, problems
         self.running: tuple[PendingEvaluation, int, int] | None = None  # with the version and step it started at
+        self.skipped = 0  # evaluations due while another ran
+
+    def holds_engines(self) -> bool:
+        """An evaluation beside training runs: the engines must keep the policy it evaluates."""
+        return self.running is not None and self.cfg.eval.beside_training
 
     def after_step(self, step: int, workers: list, version: int, block: bool = False) -> dict[str, float]:
         """Start the evaluation due at `step`, if any, and return the metrics of one that finished
         (`block`: wait for a running one)."""
         e = self.cfg.eval
         due = bool(e.every_steps) and step % e.every_steps == 0 and step < self.cfg.trainer.total_steps
+        skipped = {}
         if due and self.running is not None:
-            logger.warning("step %d: the evaluation of step %d still runs; this one is skipped", step, self.running[2])
+            self.skipped += 1
+            skipped = {"eval/skipped": self.skipped}
+            logger.warning("step %d: the evaluation of step %d still runs; this one is skipped (%d so far)", step,
+                           self.running[2], self.skipped)
         elif due:
             self.running = (PendingEvaluation(self.cfg, workers, self.problems, e.periodic_pass_k,
                                               beside_training=e.beside_training), version, step)
+        return {**skipped, **self._collect(workers, version, block or not e.beside_training)}
+
+    def unbound(self, workers: list) -> None:
+        """The running evaluation may send all its requests at once."""
+        try:
+            ray.get([w.unbound_evaluations.remote() for w in workers])
+        except ray.exceptions.RayError as err:
+            logger.warning("could not lift the evaluation's bound: %s", error_line(err))
+
+    def wait(self, workers: list, version: int) -> dict[str, float]:
+        """The running evaluation's metrics, once it ended (training waits for it here)."""
+        return self._collect(workers, version, block=True)
+
+    def _collect(self, workers: list, version: int, block: bool) -> dict[str, float]:
         if self.running is None:
             return {}
+        e = self.cfg.eval
         pending, started_version, started_step = self.running
-        if block and e.beside_training:  # training is over: the evaluation may take the whole engines
-            try:
-                ray.get([w.unbound_evaluations.remote() for w in workers])
-            except ray.exceptions.RayError as err:
-                logger.warning("could not lift the evaluation's bound: %s", error_line(err))
+        if block and e.beside_training:  # nothing else needs the engines now: the evaluation takes them all
+            self.unbound(workers)
         try:
-            result = pending.result(self.agents, block=block or not e.beside_training)
+            result = pending.result(self.agents, block=block)
         except ray.exceptions.RayError as err:  # a worker died (a trainer restart replaces them all)
             logger.warning("the evaluation of step %d is lost: %s", started_step, error_line(err))
             self.running = None

@@ -41,6 +41,7 @@ class RunState:
     problem_stream: dict[str, Any]  # WeightedMultiTask.state()
     base_eval: EvalResult
     trained_prompts: list[str] = field(default_factory=list)  # in order (a prompt trained twice would show)
+    syncs_deferred: int = 0  # weight syncs evaluations held back so far (admission counts them as done)
 
     @classmethod
     def from_json(cls, text: str) -> RunState:

@@ -92,7 +92,9 @@ def control_plane_metrics(cpu: dict[tuple, float], before: dict[tuple, float], s
 def eval_metrics(result: EvalResult, policy_version: int) -> dict[str, float]:
     """`eval/...` of one evaluation of the policy the engines held (`policy_version`)."""
     out = {"eval/greedy_accuracy": result.greedy_accuracy, "eval/seconds": result.seconds,
-           "eval/policy_version": policy_version}
+           "eval/policy_version": policy_version, "eval/num_problems": result.num_problems,
+           # the versions its samples carry: [policy_version] for an evaluation of that policy
+           "eval/sample_versions": list(result.versions), "eval/versions_spanned": len(result.versions)}
     out.update({f"eval/pass@{k}": v for k, v in result.pass_at_k.items()})
     if len(result.per_env) > 1:
         out.update({f"eval/{env}/{k}": v for env, m in result.per_env.items() for k, v in m.items()})

@@ -78,27 +78,32 @@ class _PendingGroup:
 
 
 class BoundedInference(InferenceInterface):
-    """At most `limit` requests of an inference interface at once, until `unbound()`."""
+    """At most `limit` requests of an inference interface at once (0: any number), until
+    `unbound()`; and the policy versions its answers carried (an evaluation's record)."""
 
     def __init__(self, inner: InferenceInterface, limit: int):
         self.inner, self.limit, self.running = inner, limit, 0
         self.changed = asyncio.Condition()
         self.returns_token_ids, self.returns_logprobs = inner.returns_token_ids, inner.returns_logprobs
         self.endpoint: Endpoint | None = None  # an HTTP gateway of its own, for env servers (RolloutWorker.evaluate)
+        self.versions: set[int] = set()
 
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         async with self.changed:
             await self.changed.wait_for(lambda: not self.limit or self.running < self.limit)
             self.running += 1
         try:
-            return await self.inner.agenerate(prompt_token_ids, sampling, request_id)
+            result = await self.inner.agenerate(prompt_token_ids, sampling, request_id)
         finally:
             async with self.changed:
                 self.running -= 1
                 self.changed.notify()
+        if result.versions:  # a request's versions never decrease: its first and last say which it spans
+            self.versions.update((result.versions[0], result.versions[-1]))
+        return result
 
     async def unbound(self) -> None:
-        """Every waiting request goes now (nothing else needs the engines any more)."""
+        """Every waiting request goes now."""
         async with self.changed:
             self.limit = 0
             self.changed.notify_all()
@@ -258,24 +263,24 @@ class RolloutWorker:
         that many of its requests at once (0: all), the share of the engines it takes beside
         the rollouts."""
         remote = any(self.agents.agent_for(p).remote for p in problems)
-        inference, http = self.gateway, None
-        if max_concurrent:
-            inference = BoundedInference(self.gateway, max_concurrent)
-            self._bounded_evaluations.add(inference)
-            if remote:  # env servers' requests come over HTTP: through a gateway of their own, bounded too
-                http = InferenceGateway(lambda: inference, self.tokenizer)
-                inference.endpoint = await http.serve()
-        elif remote:
-            await self.gateway.serve()  # their env servers generate through the gateway
+        inference, http = BoundedInference(self.gateway, max_concurrent), None
+        self._bounded_evaluations.add(inference)
+        if remote:  # env servers' requests come over HTTP: through a gateway of their own, bounded too
+            http = InferenceGateway(lambda: inference, self.tokenizer)
+            inference.endpoint = await http.serve()
         try:
-            return await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
+            responses = await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
+            for response in responses:  # what its samples were generated with, env servers' included
+                response.versions = sorted(inference.versions)
+            return responses
         finally:
             self._bounded_evaluations.discard(inference)
             if http is not None:
                 await http.stop()
 
     async def unbound_evaluations(self) -> None:
-        """Training is over: evaluations running beside it may take the whole engines."""
+        """Evaluations running beside training may send all their requests at once (training is
+        over, waits for them, or holds a weight sync back for them)."""
         for inference in list(self._bounded_evaluations):
             await inference.unbound()
 
