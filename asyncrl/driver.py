@@ -63,8 +63,6 @@ class Driver:
         self.run_dir = Path(run_dir)
         self.clock = Clock(cfg.cluster.time_scale)  # what the run reports: simulated seconds with sim backends
         self.version = 0  # policy version: weight syncs so far
-        self.syncs_deferred = 0  # weight syncs put off while an evaluation held the engines' policy
-        self._deferred_in_a_row = 0
         self.engine_version = 0  # the policy the engines hold (older with algorithm.policy_lag)
         self.step, self.samples = 0, 0
         self.train_s = 0.0  # seconds in the training loop so far, the waits for periodic evaluations left out
@@ -176,8 +174,12 @@ class Driver:
             metrics.update({f"batch/groups/{env}": n for env, n in
                             collections.Counter(g.env_id for g in groups).items()})
         self.samples += step_samples
-        if step % cfg.algorithm.sync_every_steps == 0:
-            metrics.update(self._sync_after_evaluation())
+        if step % cfg.algorithm.sync_every_steps == 0:  # unless an evaluation holds the engines' policy
+            t0 = self.clock.now()
+            held, evaluated = self.evals.before_sync(self.workers.handles, self.engine_version)
+            if "eval/waited_s" in evaluated:  # training waited for it
+                self.eval_s += self.clock.now() - t0
+            metrics.update({**evaluated, **({} if held else self._sync())})
         self.prompts.admit(self.admission_version)
         now, queue_stats = self._clocks()
         metrics.update({
@@ -188,7 +190,7 @@ class Driver:
             **step_metrics(self._last, now, waited, actors.engine_concurrency(cfg, len(self.engines.live()))),
             **now.rollout, **queue_stats.metrics(), **self.supervisor.metrics(),
             "progress/train_s": now.time - self._started - self.eval_s,  # the clock of run.max_train_s
-            "policy/syncs_deferred": self.syncs_deferred,
+            "policy/syncs_deferred": self.evals.syncs_deferred,
         })
         self._last = now
         metrics.update(self.evals.after_step(step, self.workers.handles, self.engine_version))
@@ -206,32 +208,11 @@ class Driver:
         queue_stats: QueueStats = ray.get(self.queue.stats.remote())
         return Clocks(now, activity, rollout, cpu_totals(activity, queue_stats, self.workers.last_stats)), queue_stats
 
-    def _sync_after_evaluation(self) -> dict[str, float]:
-        """The weight sync, unless an evaluation beside training runs: every sample of it must be of
-        the policy it evaluates, so the engines keep that policy until it ends while the trainer
-        trains on (as with algorithm.sync_every_steps > 1), for at most eval.max_deferred_syncs
-        syncs in a row; then training waits for the evaluation (counted in eval_s) and syncs."""
-        metrics: dict[str, Any] = {}
-        if self.evals.holds_engines():
-            if self._deferred_in_a_row < self.cfg.eval.max_deferred_syncs:
-                if not self._deferred_in_a_row:  # the rollouts' share of the engines is bounded by admission
-                    self.evals.unbound(self.workers.handles)
-                self._deferred_in_a_row += 1
-                self.syncs_deferred += 1
-                return {"eval/sync_deferred": 1}
-            t0 = self.clock.now()
-            metrics = self.evals.wait(self.workers.handles, self.engine_version)
-            self.eval_s += self.clock.now() - t0
-            metrics["eval/waited_s"] = self.clock.now() - t0
-        self._deferred_in_a_row = 0
-        return {**metrics, **self._sync()}
-
     @property
     def admission_version(self) -> int:
-        """The version admission counts with: the syncs held back for evaluations count as done, so
-        that an evaluation costs the pipeline none of its look-ahead (the data generated meanwhile
-        are of the held version, at most eval.max_deferred_syncs syncs older than usual)."""
-        return self.version + self.syncs_deferred
+        """The version admission counts with: syncs held back for evaluations count as done, so that
+        an evaluation costs the pipeline none of its look-ahead (docs/evaluation.md)."""
+        return self.version + self.evals.syncs_deferred
 
     def _sync(self) -> dict[str, float]:
         """interrupt loops -> pause engines -> broadcast -> load -> resume -> resume loops. An
@@ -315,7 +296,7 @@ class Driver:
         state = RunState(step=self.step, version=self.version, samples=self.samples,
                          admitted=self.prompts.staleness.admitted, problem_stream=self.agents.state(),
                          base_eval=self.base_eval, trained_prompts=list(self.prompts.trained),
-                         syncs_deferred=self.syncs_deferred)
+                         syncs_deferred=self.evals.syncs_deferred)
         self.trainer.save_checkpoint(str(path))
         self.trainer.export_hf(str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
         RunCheckpoint(state, queue_state, pending, self.prompts.ledger).write(path)
@@ -337,7 +318,7 @@ class Driver:
         if trainer_step != state.step:
             raise TrainingError(f"{path}: the trainer's state is of step {trainer_step}, the run's of {state.step}")
         self.step, self.version, self.samples = state.step, state.version, state.samples
-        self.syncs_deferred = state.syncs_deferred
+        self.evals.syncs_deferred = state.syncs_deferred
         self.prompts.staleness.admitted = state.admitted
         self.agents.restore(state.problem_stream)
         self.base_eval = state.base_eval
@@ -370,8 +351,8 @@ class Driver:
             self.supervisor.poll_starting(block=True)
         if last := self.evals.after_step(self.step, self.workers.handles, self.engine_version, block=True):
             self.log.log(self.step, last)  # the one still running
-        if self._deferred_in_a_row:  # the last steps' weights, held back for that evaluation
-            self._deferred_in_a_row = 0
+        if self.evals.holding:  # the last steps' weights, held back for that evaluation
+            self.evals.holding = 0
             self.log.log(self.step, self._sync())
         self._newest_policy_to_engines()
         final_eval = evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout)

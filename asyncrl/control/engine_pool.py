@@ -200,6 +200,18 @@ class EnginePool:
                 logger.warning("an engine failed while pausing: %s", error_line(e))
         return paused
 
+    def resume(self, paused: list) -> int:
+        """Resume the engines `pause` paused; returns how many did (one that died meanwhile is left
+        out, and logged: the caller's health check replaces it)."""
+        resumed = 0
+        for ref in [e.resume.remote() for e in paused]:
+            try:
+                ray.get(ref)
+                resumed += 1
+            except Exception as e:
+                logger.warning("an engine failed while resuming: %s", error_line(e))
+        return resumed
+
     def shutdown(self) -> None:
         """Stop every engine's vLLM processes, then the actors."""
         engines = [e for e in self.engines if e is not None]

@@ -16,6 +16,7 @@ each evaluation.
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -34,10 +35,27 @@ class PeriodicEvaluation:
         self.cfg, self.agents, self.problems = cfg, agents, problems
         self.running: tuple[PendingEvaluation, int, int] | None = None  # with the version and step it started at
         self.skipped = 0  # evaluations due while another ran
+        self.syncs_deferred = 0  # weight syncs held back so far for evaluations to end (a checkpoint keeps it)
+        self.holding = 0  # syncs held back for the running one
 
-    def holds_engines(self) -> bool:
-        """An evaluation beside training runs: the engines must keep the policy it evaluates."""
-        return self.running is not None and self.cfg.eval.beside_training
+    def before_sync(self, workers: list, version: int) -> tuple[bool, dict[str, float]]:
+        """At a weight sync point: (whether to hold the sync back, metrics). An evaluation beside
+        training runs: its samples must all be of the policy it evaluates, so the engines keep that
+        policy while the trainer trains on, at most eval.max_deferred_syncs syncs in a row; at the
+        next, training waits for it here (`eval/waited_s`)."""
+        if self.running is None or not self.cfg.eval.beside_training:
+            self.holding = 0
+            return False, {}
+        if self.holding < self.cfg.eval.max_deferred_syncs:
+            if not self.holding:  # the rollouts' share of the engines is bounded by admission from now on
+                self.unbound(workers)
+            self.holding += 1
+            self.syncs_deferred += 1
+            return True, {"eval/sync_deferred": 1}
+        t0 = time.monotonic()
+        metrics = self._collect(workers, version, block=True)
+        self.holding = 0
+        return False, {**metrics, "eval/waited_s": time.monotonic() - t0}
 
     def after_step(self, step: int, workers: list, version: int, block: bool = False) -> dict[str, float]:
         """Start the evaluation due at `step`, if any, and return the metrics of one that finished
@@ -61,10 +79,6 @@ class PeriodicEvaluation:
             ray.get([w.unbound_evaluations.remote() for w in workers])
         except ray.exceptions.RayError as err:
             logger.warning("could not lift the evaluation's bound: %s", error_line(err))
-
-    def wait(self, workers: list, version: int) -> dict[str, float]:
-        """The running evaluation's metrics, once it ended (training waits for it here)."""
-        return self._collect(workers, version, block=True)
 
     def _collect(self, workers: list, version: int, block: bool) -> dict[str, float]:
         if self.running is None:

@@ -88,8 +88,8 @@ def take_snapshots(workers: WorkerPool, engines: EnginePool, queue: Any, check_h
     paused = engines.pause()
     pending = workers.checkpoint()
     queue_state: QueueState = ray.get(queue.state.remote())
-    ray.get([e.resume.remote() for e in paused])
+    resumed = engines.resume(paused)
     workers.resume_interrupted()
-    if len(paused) < len(engines.live()):  # one died meanwhile: replaced now, its loops went on
+    if resumed < len(engines.live()):  # one died meanwhile: replaced now, its loops went on
         check_health()
     return pending, queue_state
