@@ -122,7 +122,8 @@ def test_the_tool_loop_trains_end_to_end_while_its_engines_grow_and_shrink(tmp_p
     # no sync paused an engine, the one that joined included (it registered the adapter it was sent),
     # so no loop was interrupted until the scale-down aborted the removed engine's requests
     synced = [r for r in steps if "sync/paused_s" in r]  # not those whose sync an evaluation held back
-    assert len(synced) >= len(steps) - 2 and all(r["sync/paused_s"] == 0 for r in synced)
+    assert synced and all(r["sync/paused_s"] == 0 for r in synced)
+    assert all("sync/paused_s" in r or r.get("eval/sync_deferred") for r in steps)
     assert all(r["rollout/interruptions"] == 0 for r in steps if r.get("engines/scale_events", 0) < 2)
     # the calls are counted (in total and by failure reason) and drawn
     assert steps[-1]["rollout/tool_calls"] > 0
