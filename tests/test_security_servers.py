@@ -796,6 +796,98 @@ def test_a_seeded_fuzz_of_1000_requests_gets_no_5xx_and_health_answers_throughou
     assert len(health) > 10 and max(health) < 1.0
 
 
+# -- the rollout worker's inference gateway (asyncrl/rollout/gateway.py) -------------------------
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[tuple[str, str]]:
+    """A gateway over an engine that answers one token, served as in training; (its URL, its key)."""
+    from asyncrl.inference.protocol import InferenceInterface
+    from asyncrl.rollout.gateway import InferenceGateway
+
+    class OneToken(InferenceInterface):
+        async def agenerate(self, prompt_token_ids, sampling, request_id):
+            return GenerationResult([7], [-0.5], [3], "length")
+
+    ready, stop = threading.Event(), None
+    box: dict = {}
+
+    def run() -> None:
+        async def main() -> None:
+            nonlocal stop
+            stop = asyncio.Event()
+            gw = InferenceGateway(lambda: OneToken(), SimpleNamespace(encode=lambda text: [1], decode=lambda ids: "x"))
+            endpoint = await gw.serve()
+            box.update(url=endpoint.base_url.removesuffix("/v1"), key=endpoint.api_key, server=gw._server)
+            ready.set()
+            await stop.wait()
+            await gw.stop()
+
+        box["loop"] = asyncio.new_event_loop()
+        box["loop"].run_until_complete(main())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield box["url"], box["key"]
+    box["loop"].call_soon_threadsafe(stop.set)
+    thread.join(30)
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-key"])
+def test_the_gateway_answers_without_its_key_before_reading_the_body(gateway, auth):
+    """A 38 MB keyless body blocked the worker's loop and took 500 MB before: now 401/403 from the
+    headers, the body never read (declared, not sent), the connection closed."""
+    url, _ = gateway
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {38 * 2**20}\r\n" + (f"Authorization: {auth}\r\n" if auth else "") + "\r\n").encode()
+    t0 = time.time()
+    response, closed = _raw(_port(url), head + b"[" * 100)
+    assert _status(response) == (401 if auth is None else 403) and closed and time.time() - t0 < 2
+
+
+@pytest.mark.attack
+def test_the_gateway_bounds_bodies_and_takes_only_strict_json(gateway):
+    from asyncrl.rollout.gateway import GATEWAY_LIMITS
+
+    url, key = gateway
+    auth = {"Authorization": f"Bearer {key}"}
+    r = httpx.post(url + "/v1/completions", content=b" " * (GATEWAY_LIMITS.max_request_bytes + 1), headers=auth,
+                   timeout=10)
+    assert r.status_code == 413
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": [1], "temperature": NaN}', headers=auth, timeout=10)
+    assert r.status_code == 422
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=auth, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7]
+
+
+def test_the_gateway_serves_under_the_env_servers_connection_budget(gateway):
+    """Its connections are the env server's h11 layer: the budget and deadlines of ServerLimits
+    (tested against the env server above), not uvicorn's own."""
+    from asyncrl.agents.server import ServerLimits
+    from asyncrl.rollout.gateway import GATEWAY_LIMITS
+
+    assert isinstance(GATEWAY_LIMITS, ServerLimits)
+    url, key = gateway
+    # a trickled request without the key is dropped at the read deadline, whatever it declared
+    with socket.create_connection(("127.0.0.1", _port(url)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0, closed = time.time(), False
+        while time.time() - t0 < GATEWAY_LIMITS.read_timeout_s + 5:
+            try:
+                s.sendall(b"X")
+                s.settimeout(0.5)
+                if s.recv(1024) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed and time.time() - t0 <= GATEWAY_LIMITS.read_timeout_s + 3
+
+
 # -- the engine request channel ------------------------------------------------------------
 
 async def _channel(engine_received: list) -> tuple[ChannelServer, str, int, str]:
