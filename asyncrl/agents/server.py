@@ -482,7 +482,7 @@ def create_app(agents: WeightedMultiTask, token: str, limits: ServerLimits | Non
             chosen, engine, body.n_samples, body.temperature, body.pass_k))
         return await _json(response.to_dict)
 
-    return _Guard(app, token, limits)
+    return guarded(app, token, limits)
 
 
 # -- the HTTP server ---------------------------------------------------------------------
@@ -493,6 +493,14 @@ def create_app(agents: WeightedMultiTask, token: str, limits: ServerLimits | Non
 # once a request's headers are in, and never sees a connection that sends nothing.
 
 SETTLE_S = 0.5  # how long a connection over an unauthenticated share has to send its token
+
+
+def guarded(app: Any, token: str, limits: ServerLimits) -> Any:
+    """`app` behind the env server's request guard: the bearer `token` checked from the headers
+    before any of the body is read, bodies bounded in size and time, strict JSON only. With
+    `uvicorn_config` (its connection budget and deadlines), what the rollout worker's inference
+    gateway serves too (asyncrl/rollout/gateway.py)."""
+    return _Guard(app, token, limits)
 
 
 def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, log_level: str = "info") -> Any:

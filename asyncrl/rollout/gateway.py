@@ -8,24 +8,31 @@ joined (each token keeps the policy version that produced it).
 `serve()` exposes the same as an OpenAI-compatible `POST /v1/completions` on loopback
 (prompt as token ids or text; `token_ids`, `logprobs.token_logprobs` and asyncrl's
 `versions` in each choice), guarded by a random bearer key. Env-server agents generate
-through it during training; `endpoint` is what a remote agent hands them.
+through it during training; `endpoint` is what a remote agent hands them. It is served as the
+env server is (asyncrl/agents/server.py: `guarded`, `uvicorn_config`): the key checked from the
+headers before any of the body is read, bodies of at most `GATEWAY_LIMITS.max_request_bytes`
+within its read deadline, strict JSON, and the env server's connection budget.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncrl.agents.server import ServerLimits, guarded, uvicorn_config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.types import GenerationResult, SamplingSpec
+
+# The env server's limits, but for bodies: a prompt of engine.max_model_len (up to 2**20) token ids
+# as JSON takes up to 8 bytes a token.
+GATEWAY_LIMITS = ServerLimits(max_request_bytes=8 << 20)
 
 
 class CompletionBody(BaseModel):
@@ -84,7 +91,8 @@ class InferenceGateway(InferenceInterface):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
-        self._server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", lifespan="off"))
+        app = guarded(self._app(), self._api_key, GATEWAY_LIMITS)
+        self._server = uvicorn.Server(uvicorn_config(app, host, 0, GATEWAY_LIMITS, log_level="warning"))
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
@@ -104,9 +112,6 @@ class InferenceGateway(InferenceInterface):
 
         @app.post("/v1/completions")
         async def completions(body: CompletionBody, request: Request) -> dict[str, Any]:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ")
-            if not hmac.compare_digest(given.encode(), self._api_key.encode()):
-                raise HTTPException(401, "missing or wrong API key")
             ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
             stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
             spec = SamplingSpec(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
