@@ -69,6 +69,12 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     # pipeline group, whatever its size.
     ("mbridge.core.bridge", "Bridge.export_weights", "broad_pp_param = broadcast_from_megatron_pp(param)"),
     ("mbridge.core.util", "broadcast_from_megatron_pp", "torch.distributed.all_gather_object("),
+    # What the trainer's THD forward relies on (trainer_rank._forward): rope reads the "padded"
+    # boundaries where given (the host's, so no synchronisation per layer), the kernels the others;
+    # bf16 logits stay bf16 when asked.
+    ("megatron.core.transformer.attention", "Attention.forward",
+     "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded"),
+    ("megatron.core.transformer.module", "Float16Module.forward", "fp32_output=True"),
 ]
 
 
