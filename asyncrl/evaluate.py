@@ -16,6 +16,7 @@ eval.json in the run directory.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -35,13 +36,27 @@ def resolve_checkpoint(path: str) -> list[str]:
     p = Path(path)
     if (p / "adapter_config.json").is_file():
         base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
-        return [f"model.path={base}", f"eval.adapter={p.resolve()}"]
+        return [_override("model.path", str(base), p / "adapter_config.json"),
+                _override("eval.adapter", str(p.resolve()), p)]
     for candidate in (p, p / "final_policy", p / "hf"):
         if (candidate / "config.json").is_file():
-            return [f"model.path={candidate.resolve()}"]
+            return [_override("model.path", str(candidate.resolve()), candidate)]
     raise ValueError(f"{path!r} is not a checkpoint: expected a Hugging Face directory (config.json), a run "
                      "directory with final_policy/, RUN_DIR/checkpoints/step_N with hf/, or a PEFT adapter "
                      "directory (adapter_config.json)")
+
+
+# What a path or hub id taken from a file or a directory name may hold to become an override: a
+# `${...}` there would be resolved by OmegaConf (an environment variable printed in an error), and
+# Hydra's grammar gives meaning to quotes, commas, brackets and spaces.
+_PLAIN = re.compile(r"[\w./@:+~-]+")
+
+
+def _override(key: str, value: str, source: Path) -> str:
+    if not _PLAIN.fullmatch(value):
+        raise ValueError(f"{source}: {key} would be {value!r}, which is not a plain path or hub id (letters, "
+                         "digits and ._/@:+~- only); it is never read as config syntax")
+    return f"{key}={value}"
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="evaluate", version_base="1.3")

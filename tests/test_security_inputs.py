@@ -217,3 +217,32 @@ def test_incomplete_rows_are_skipped_and_counted(cfg, tmp_path):
     problems = agent.problems("train") + agent.problems("heldout")
     assert agent.skipped_rows == len(incomplete)  # blank lines are not rows
     assert len(problems) == len(GOOD) + 1 and "42" in {p.answer for p in problems}
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("base", ["${oc.env:ASYNCRL_TEST_SECRET}", "x,y", "a b", "'quoted'", "[1]"])
+def test_an_adapters_base_is_never_read_as_config_syntax(base, tmp_path, monkeypatch):
+    """`asyncrl eval ADAPTER_DIR` names the adapter's base model as model.path: a string from a file,
+    never resolved (an `${oc.env:...}` there printed the variable in a validation error)."""
+    from asyncrl.evaluate import resolve_checkpoint
+
+    monkeypatch.setenv("ASYNCRL_TEST_SECRET", "s3cr3t-value")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+    with pytest.raises(ValueError, match="not a plain path or hub id") as refused:
+        resolve_checkpoint(str(tmp_path))
+    assert "s3cr3t-value" not in str(refused.value)
+
+
+@pytest.mark.attack
+def test_a_checkpoint_directorys_name_is_never_read_as_config_syntax(tmp_path):
+    from asyncrl.evaluate import resolve_checkpoint
+
+    run = tmp_path / "run${oc.env:HOME}"
+    (run / "final_policy").mkdir(parents=True)
+    (run / "final_policy" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a plain path or hub id"):
+        resolve_checkpoint(str(run))
+    plain = tmp_path / "adapter"
+    plain.mkdir()
+    (plain / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-0.6B"}))
+    assert resolve_checkpoint(str(plain)) == ["model.path=Qwen/Qwen3-0.6B", f"eval.adapter={plain.resolve()}"]
