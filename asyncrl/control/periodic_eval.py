@@ -3,9 +3,9 @@
 Beside training (`eval.beside_training`, the default) an evaluation runs on the engines next to
 the rollouts, each worker sending at most `eval.max_concurrent` of its requests at once, while the
 trainer goes on with what is queued. It measures one policy, the one the engines held when it
-started: until it ends the driver defers the engines' weight syncs (`holds_engines`; the trainer
+started: until it ends the driver defers the engines' weight syncs (`before_sync`; the trainer
 trains on, as with `algorithm.sync_every_steps` > 1), at most `eval.max_deferred_syncs` in a row,
-after which training waits for it (`wait`). Its result is logged at the step it arrives, with the
+after which training waits for it there. Its result is logged at the step it arrives, with the
 versions its samples carry (`eval/sample_versions`: the one it is labelled with). It takes the
 first `eval.periodic_num_problems` held-out problems of each env, so that it ends within a few
 steps; the final evaluation takes all `eval.num_problems`. An evaluation due while another runs
