@@ -81,6 +81,10 @@ class RoutedExperts:
         row = self.layers * self.top_k
         return RoutedExperts(self.data + other.data[self.positions * row:], self.layers, self.top_k)
 
+    def prefix(self, positions: int) -> RoutedExperts:
+        """The routes of the first `positions` positions."""
+        return RoutedExperts(self.data[: positions * self.layers * self.top_k], self.layers, self.top_k)
+
     def to_dict(self) -> dict[str, Any]:
         return {"data": base64.b64encode(self.data).decode(), "layers": self.layers, "top_k": self.top_k}
 

@@ -3,13 +3,24 @@ machine against a scripted engine (tests/scripted_inference.py)."""
 
 import asyncio
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from agent_loops import get_agent_loop
+from agent_loops.base import AgentLoop
 from agent_loops.tools import TOOLS
 from asyncrl.config.schema import ToolsConfig
-from asyncrl.types import AgentLoopSnapshot, SamplingSpec, Segment, Trajectory, TrajectoryStatus
+from asyncrl.inference.stops import cut_at_split_stop
+from asyncrl.types import (
+    AgentLoopSnapshot,
+    GenerationResult,
+    RoutedExperts,
+    SamplingSpec,
+    Segment,
+    Trajectory,
+    TrajectoryStatus,
+)
 from tests.scripted_inference import DEFAULT_LOGPROB, Reply, ScriptedInference
 
 
@@ -179,6 +190,59 @@ def test_partial_tool_finds_a_call_split_by_an_abort(tokenizer):
     t = asyncio.run(fresh.resume(snapshot)).trajectory
     assert t.info == {"tool_calls": 1, "num_interruptions": 1}
     assert tokenizer.decode(t.response_token_ids) == CALL + RESULT + "Answer: 5"
+
+
+def test_a_stop_string_split_by_an_abort_ends_the_resumed_generation(tokenizer):
+    """The engine matches "</tool>" only in what it generates: after "</to" ended an aborted
+    request, the resumed one writes on past "ol>". The loop cuts it there, as the engine would
+    have stopped, and runs the call."""
+    loop, _ = make("partial_tool", tokenizer, [Reply("<tool:calculator>2 + 3</to", "abort")], max_new_tokens=80)
+    snapshot = run(loop, tokenizer).snapshot
+    fresh, _ = make("partial_tool", tokenizer, [Reply("ol><result>7</result>", version=1), Reply("Answer: 5")],
+                    max_new_tokens=80)
+    t = asyncio.run(fresh.resume(snapshot)).trajectory
+    assert tokenizer.decode(t.response_token_ids) == CALL + RESULT + "Answer: 5"
+    assert t.info == {"tool_calls": 1, "num_interruptions": 1}
+
+
+def test_the_gateway_continues_a_request_only_to_the_stop_string_a_sync_split(tokenizer):
+    """The inference gateway hides a sync from env servers by continuing the aborted request:
+    it too ends at a stop string the pause split."""
+    from asyncrl.rollout.gateway import InferenceGateway
+
+    engine = ScriptedInference([Reply("<tool:calculator>2 + 3</to", "abort"), Reply("ol> and on", version=1)],
+                               tokenizer)
+    gateway = InferenceGateway(lambda: engine, tokenizer)
+    out = asyncio.run(gateway.agenerate(ids(tokenizer, PROMPT), SamplingSpec(max_new_tokens=40, stop=["</tool>"]), "r"))
+    assert (tokenizer.decode(out.token_ids), out.finish_reason) == (CALL, "stop")
+    assert out.versions == [0] * len(ids(tokenizer, "<tool:calculator>2 + 3</to")) + [1] * len(ids(tokenizer, "ol>"))
+
+
+def test_a_stop_string_is_not_completed_across_environment_tokens(tokenizer):
+    """Text an environment appended that ends like a stop string's start is no stop: the
+    request after it starts fresh, its tokens kept whole."""
+    fresh = Trajectory("p", "g", [1], segments=[policy(ids(tokenizer, "a </to")),
+                                                Segment.from_env(ids(tokenizer, "b"))])
+    assert AgentLoop.continued_tokens(fresh) == []
+    resumed = Trajectory("p", "g", [1], segments=[*fresh.segments, policy([5, 6]), policy([7], version=1)])
+    assert AgentLoop.continued_tokens(resumed) == [5, 6, 7]
+
+
+def test_a_cut_at_a_split_stop_string_keeps_the_routes_of_the_positions_it_forwarded(tokenizer):
+    head, tail = ids(tokenizer, "x </to"), ids(tokenizer, "ol>2 + 3")
+    forwarded = 2 + len(head)  # a prompt of 2 tokens, then head
+    positions = forwarded + len(tail) - 1
+    routes = RoutedExperts.from_array(np.arange(positions * 2, dtype=np.uint8).reshape(positions, 1, 2))
+    result = GenerationResult(tail, [0.0] * len(tail), [1] * len(tail), "length", routes)
+    cut = cut_at_split_stop(head, result, ["</tool>"], tokenizer, forwarded)
+    k = len(ids(tokenizer, "ol>"))
+    assert (cut.token_ids, cut.logprobs, cut.versions, cut.finish_reason) == (tail[:k], [0.0] * k, [1] * k, "stop")
+    assert cut.routes.positions == forwarded + k - 1
+    assert cut.routes.data == routes.data[: cut.routes.positions * 2]
+    # no stop string begun at the pause, or none completed: the result as it came
+    assert cut_at_split_stop(ids(tokenizer, "x </tx"), result, ["</tool>"], tokenizer, forwarded) is result
+    other = GenerationResult(ids(tokenizer, "oops"), [0.0] * 4, [1] * 4, "length")
+    assert cut_at_split_stop(head, other, ["</tool>"], tokenizer, forwarded) is other
 
 
 def test_partial_tool_completes_a_running_call_before_the_snapshot(tokenizer, monkeypatch):

@@ -217,3 +217,27 @@ def test_engine_abort_mid_generation_resumes_to_the_same_result(engine, tool_mod
             return await loop.resume(outcome.snapshot)
         assert_same(asyncio.run(go()).trajectory, expected, tool_model)
     assert partial_lengths, "no pause landed mid-generation"
+
+
+def test_a_stop_string_split_by_a_pause_still_stops_the_generation(engine, tool_model, tokenizer, prompts):
+    """A pause can land inside the stop string that ends a call ("</tool>": "</to" generated, "ol>"
+    not yet). The engine matches stop strings only in the text it generates, so the resumed request
+    would not see "</tool>" and would write on past the call, where the uninterrupted run stopped and
+    ran the tool. Every cut point inside the stop string resumes to the uninterrupted result."""
+    fmt = FORMATS["partial_tool"]
+    prompt = prompts["partial_tool"][0]
+    expected = reference(engine, fmt, tokenizer, prompt)
+    first = expected.segments[0]  # the generation that ended at the call's stop string
+    text = tokenizer.decode(first.token_ids)
+    assert text.endswith(fmt.call_close)
+    inside = [k for k in range(1, len(first.token_ids))
+              if len(tokenizer.decode(first.token_ids[:k])) > len(text) - len(fmt.call_close)]
+    assert inside, "the stop string is one token: no pause can split it"
+    for k in inside:
+        start = fmt.start(tokenizer, prompt)
+        start.trajectory.segments.append(Segment.from_policy(first.token_ids[:k], first.logprobs[:k],
+                                                             first.versions[:k]))
+        outcome = asyncio.run(make_loop(fmt, Client(engine), tokenizer).resume(start))
+        assert outcome.finished
+        assert outcome.trajectory.response_token_ids == expected.response_token_ids, f"cut after {k} tokens"
+        assert outcome.trajectory.loss_mask == expected.loss_mask

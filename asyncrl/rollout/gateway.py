@@ -2,8 +2,9 @@
 
 `agenerate` sends each request to an engine chosen by `pick()` and hides weight syncs:
 a request aborted by `pause("abort")` waits until generation may resume, then continues
-from prompt + tokens so far with what is left of its budget, and the segments are
-joined (each token keeps the policy version that produced it).
+from prompt + tokens so far with what is left of its budget (ending at a stop string the
+pause split: asyncrl/inference/stops.py), and the segments are joined (each token keeps the
+policy version that produced it).
 
 `serve()` exposes the same as an OpenAI-compatible `POST /v1/completions` on loopback
 (prompt as token ids or text; `token_ids`, `logprobs.token_logprobs` and asyncrl's
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.agents.server import ServerLimits, guarded, uvicorn_config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
+from asyncrl.inference.stops import cut_at_split_stop
 from asyncrl.types import GenerationResult, SamplingSpec
 
 # The env server's limits, but for bodies: a prompt of engine.max_model_len (up to 2**20) token ids
@@ -65,8 +67,9 @@ class InferenceGateway(InferenceInterface):
         out = GenerationResult([], [], [], "abort")
         for attempt in range(1000):
             left = sampling.max_new_tokens - len(out.token_ids)
-            part = await engine.agenerate(list(prompt_token_ids) + out.token_ids,
-                                          replace(sampling, max_new_tokens=left), f"{request_id}.{attempt}")
+            forwarded = list(prompt_token_ids) + out.token_ids
+            part = await engine.agenerate(forwarded, replace(sampling, max_new_tokens=left), f"{request_id}.{attempt}")
+            part = cut_at_split_stop(out.token_ids, part, sampling.stop, self.tokenizer, len(forwarded))
             routes = part.routes if out.routes is None else out.routes.extended(part.routes)
             out = GenerationResult(out.token_ids + part.token_ids, out.logprobs + part.logprobs,
                                    out.versions + part.versions, part.finish_reason, routes)
