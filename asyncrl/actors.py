@@ -117,23 +117,35 @@ def engine_resources(cfg: Config) -> dict[str, float]:
             **({"GPU": cfg.engine.tensor_parallel_size} if cfg.cluster.device == "cuda" else {})}
 
 
+def _roles(cfg: Config, engines: int | None = None) -> list[tuple[str, dict[str, float]]]:
+    """Each bundle of the run's placement group, with its role: the engines', the trainer ranks',
+    the rollout workers'."""
+    gpu = cfg.cluster.device == "cuda"
+    t = cfg.trainer
+    return ([("engine", engine_resources(cfg))] * (cfg.engine.num_engines if engines is None else engines)
+            + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **({"GPU": 1} if gpu else {})})]
+            * trainer_world_size(cfg)
+            + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
+            * cfg.rollout.num_workers)
+
+
+def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float]:
+    """What the run's actors take of the cluster, with `engines` engines (default engine.num_engines)."""
+    need: dict[str, float] = {}
+    for _, bundle in _roles(cfg, engines):
+        for k, v in bundle.items():
+            need[k] = need.get(k, 0) + v
+    return need
+
+
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
     """One placement group (PACK): a bundle per engine, trainer rank and rollout worker.
     Raises PlacementError when the cluster lacks the resources, naming what to lower."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpu = cfg.cluster.device == "cuda"
-    t = cfg.trainer
-    roles = ([("engine", engine_resources(cfg))] * cfg.engine.num_engines
-             + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **({"GPU": 1} if gpu else {})})]
-             * trainer_world_size(cfg)
-             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
-             * cfg.rollout.num_workers)
-    need: dict[str, float] = {}
-    for _, bundle in roles:
-        for k, v in bundle.items():
-            need[k] = need.get(k, 0) + v
+    roles = _roles(cfg)
+    need = resources_needed(cfg)
     have = ray.cluster_resources()
     short = {k: (v, have.get(k, 0)) for k, v in need.items() if v > have.get(k, 0) + 1e-9}
     if short:

@@ -347,8 +347,7 @@ class Driver:
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
-        while self.engines.starting:  # a replacement engine still starting: the run ends with it in
-            self.supervisor.poll_starting(block=True)
+        self.supervisor.end_starting()  # the run ends with the engines starting in, unless unplaceable
         if last := self.evals.after_step(self.step, self.workers.handles, self.engine_version, block=True):
             self.log.log(self.step, last)  # the one still running
         if self.evals.holding:  # the last steps' weights, held back for that evaluation

@@ -257,6 +257,8 @@ class ScaleEvent:
     reason: str
     slots: list[int] = field(default_factory=list)
     phases_s: dict[str, float] = field(default_factory=dict)
+    # added slots whose engines never got a place before the run ended (not in engines_after)
+    cancelled: list[int] = field(default_factory=list)
 
     @property
     def scale_s(self) -> float:

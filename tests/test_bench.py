@@ -264,3 +264,20 @@ def test_staleness_bench_holds_the_staleness_it_is_given(tmp_path, base_model):
     assert [v for v, _ in runs[0]["curve"]] == [0, 3] and runs[0]["staleness_mean"] == pytest.approx(1.0)
     assert "| grpo | " in (tmp_path / "table.md").read_text()
     assert (tmp_path / "accuracy.png").stat().st_size > 5_000
+
+
+def test_the_elastic_bench_fits_its_default_schedule_to_the_run_and_refuses_one_it_cannot_place(monkeypatch):
+    from asyncrl.bench.config import BenchConfig
+    from asyncrl.bench.elastic import engine_schedule
+    from asyncrl.config import ConfigError
+    from asyncrl.run_config import load_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # engines of half a CPU, a trainer rank of 0.5 and a rollout worker of 0.25 on 2 CPUs: 2 engines fit
+    cfg = load_config(["recipe=arith", "cluster.num_cpus=2", "engine.num_engines=1", "engine.num_cpus_per_engine=0.5"])
+    assert engine_schedule(cfg, BenchConfig()) == [[2, 2], [4, 1]]
+    # the simulated scenario's schedule on the real stack: refused before anything starts, in one line
+    with pytest.raises(ConfigError) as refused:
+        engine_schedule(cfg, BenchConfig(engine_schedule=[[3, 16], [7, 4]]))
+    (line,) = refused.value.problems
+    assert line.startswith("bench.engine_schedule=[[3, 16], [7, 4]]: 16 engines") and "at most 2 engine(s) fit" in line

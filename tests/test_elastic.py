@@ -140,3 +140,50 @@ def test_a_worker_routes_around_a_removed_engine_and_to_an_added_one():
     assert not router._any_live.is_set()  # every engine removed: requests wait for one
     router.replace(1, "e1b")  # a removed slot used again
     assert router._any_live.is_set() and asyncio.run(router.live_engine()) == 1
+
+
+def test_engines_the_cluster_cannot_place_are_cancelled_when_the_run_ends(ray_cluster):
+    """A scale-up past the cluster's room (more engines than it has CPUs, or nodes that never
+    come) leaves engines waiting for a place. When the run ends they are cancelled, not waited
+    for: killed, their placement groups removed, the scale-up recorded with them as cancelled;
+    the shutdown after that does not wait on them either."""
+    import ray
+    from ray.util import placement_group_table
+
+    from asyncrl import actors
+    from asyncrl.control.engine_pool import EnginePool
+    from asyncrl.messages import ScaleEvent
+
+    # simulated engines of 3 CPUs each: the run's own bundles take 3 + 2 + 1 of the session
+    # cluster's 8 CPUs, and no added engine fits in the 2 left
+    cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "engine.num_engines=1",
+                       "engine.num_cpus_per_engine=3", "trainer.num_cpus_per_rank=2", "rollout.num_workers=1",
+                       "rollout.num_cpus_per_worker=1"])
+    placement = actors.place(cfg)
+    try:
+        pool = EnginePool(cfg, placement.engine)
+        ray.get(pool.start())
+        event = ScaleEvent("up", 1, 3, step=4, reason="asyncrl scale")
+        pool.grow(2, event)
+        groups = [group for _, group in pool.own_groups.values()]
+        added = [pool.engines[i] for i in event.slots]
+        assert sorted(pool.starting) == event.slots == [1, 2]
+        assert pool.cancel_unplaced() == [event]
+        assert (event.cancelled, event.engines_after, pool.starting, pool.own_groups) == ([1, 2], 1, {}, {})
+        assert pool.engines[1:] == [None, None] and pool.count() == 1
+        assert [placement_group_table(g)["state"] for g in groups] == ["REMOVED", "REMOVED"]
+        for engine in added:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(engine.health.remote(), timeout=60)
+        # nothing left to cancel; the placed engine goes on (the run waits for engines starting there)
+        assert pool.cancel_unplaced() == []
+        ray.get(pool.engines[0].health.remote(), timeout=60)
+
+        pool.grow(1, ScaleEvent("up", 1, 2, step=5, reason="asyncrl scale"))  # Ctrl-C now: the shutdown
+        (group,) = [group for _, group in pool.own_groups.values()]
+        pool.shutdown(timeout_s=60)
+        assert placement_group_table(group)["state"] == "REMOVED" and pool.starting == {}
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(pool.engines[0].health.remote(), timeout=60)
+    finally:
+        actors.remove_placement(placement)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -50,15 +51,17 @@ def kill_tagged(tag: str, grace_s: float = 10) -> None:
             p.kill()
 
 
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, timeout: float = 300,
+                  until: Callable[[dict], bool] = lambda record: "train/loss" in record) -> None:
+    """Wait for a step's metrics record for which `until` holds (default: any train step's)."""
     deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if metrics.exists() and any('"train/loss"' in line for line in metrics.read_text().splitlines()):
+        if metrics.exists() and any(until(json.loads(line)) for line in metrics.read_text().splitlines() if line):
             return
         time.sleep(1)
-    raise AssertionError("no train step within the timeout")
+    raise AssertionError("no such step within the timeout")
 
 
 def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
@@ -103,10 +106,16 @@ def start_training(tmp_path: Path, tag: str) -> tuple[subprocess.Popen, Path]:
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
+    """Engines waiting for a place that never comes included: the run is first asked for more
+    engines than this machine holds (`asyncrl scale`); Ctrl-C cancels them, not waits for them."""
     tag = cluster_tag()
     proc, run_dir = start_training(tmp_path, tag)
     try:
         wait_for_step(run_dir, proc)
+        scale = subprocess.run([*ASYNCRL, "scale", str(run_dir), "--engines", "6"], capture_output=True, text=True,
+                               timeout=120)
+        assert scale.returncode == 0, scale.stderr[-2000:]
+        wait_for_step(run_dir, proc, until=lambda r: r.get("engines/count") == 6)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole process group
         out, err = communicate(proc, 120)
     finally:

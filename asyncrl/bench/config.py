@@ -42,8 +42,9 @@ class BenchConfig:
     # rank, then the whole run (increasing; the last two after a checkpoint).
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
-    # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing)
-    engine_schedule: list[list[int]] = field(default_factory=lambda: [[3, 16], [7, 4], [11, 8]])
+    # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing;
+    # empty: engine.num_engines + 1 after step 2, engine.num_engines after step 4)
+    engine_schedule: list[list[int]] = field(default_factory=list)
     steps_after_scale: int = 3  # elastic bench: steps after the last change, then `asyncrl stop`
     # staleness bench: the grid (staleness held exactly at each k; every loss; every seed), the
     # steps of every run, its evaluations, and the pause modes of free-running runs (none: none).
@@ -103,7 +104,7 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
         problems.append(f"bench.fault_steps={b.fault_steps!r}: must be 4 increasing steps >= 1 "
                         "(engine, rollout worker, trainer rank, whole run)")
     steps = [x[0] for x in b.engine_schedule if len(x) == 2]
-    if (not b.engine_schedule or len(steps) != len(b.engine_schedule) or sorted(set(steps)) != steps
+    if (len(steps) != len(b.engine_schedule) or sorted(set(steps)) != steps
             or any(s < 1 or n < 1 for s, n in b.engine_schedule)):
         problems.append(f"bench.engine_schedule={b.engine_schedule!r}: [[step, engines], ...] with increasing "
                         "steps >= 1 and engines >= 1")

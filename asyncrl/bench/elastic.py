@@ -2,10 +2,11 @@
 through the user's own command (`asyncrl scale RUN_DIR --engines N`).
 
     asyncrl bench elastic recipe=sim_math7b_128gpu engine.num_engines=8 "bench.engine_schedule=[[3,16],[7,4]]"
-    asyncrl bench elastic recipe=arith engine.num_engines=1 "bench.engine_schedule=[[2,2],[4,1]]"   # the real stack
+    asyncrl bench elastic recipe=arith engine.num_engines=1 engine.num_cpus_per_engine=0.5   # real: 1 -> 2 -> 1
 
 The run is `asyncrl train` in a subprocess. The bench watches its metrics.jsonl: once step s
-of `bench.engine_schedule` ([[s, engines], ...]) is logged it runs `asyncrl scale`, and waits
+of `bench.engine_schedule` ([[s, engines], ...]; default: one engine more after step 2, back
+after step 4; on a local cluster a schedule it cannot place is refused) is logged it runs `asyncrl scale`, and waits
 until RUN_DIR/scale.jsonl records the change before the next one; `bench.steps_after_scale`
 steps after the last change it runs `asyncrl stop` (trainer.total_steps only bounds the run:
 an engine's start takes as long as it takes). Every figure is read from
@@ -25,9 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.actors import resources_needed
 from asyncrl.bench.config import BenchConfig
 from asyncrl.bench.faults import kill_all
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.monitoring.run_log import read_metrics
 
 TAG_ENV = "ASYNCRL_ELASTIC_BENCH"
@@ -61,9 +63,30 @@ def _control(command: str, run_dir: Path, *args: str) -> None:
         raise RuntimeError(f"asyncrl {command} {' '.join(args)} failed: {done.stderr[-2000:]}")
 
 
+def engine_schedule(cfg: Config, bench: BenchConfig) -> list[list[int]]:
+    """`bench.engine_schedule`, or by default one engine more after step 2 and back after step 4.
+    On a local cluster a schedule it cannot place is refused (ConfigError, one line): the run
+    would go on with the engines that fit and wait for the rest."""
+    n = cfg.engine.num_engines
+    schedule = bench.engine_schedule or [[2, n + 1], [4, n]]
+    if cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return schedule  # a cluster's room is its own (an autoscaler may add nodes)
+    cpus = cfg.cluster.num_cpus or os.cpu_count() or 1
+    most = max(n for _, n in schedule)
+    if resources_needed(cfg, most)["CPU"] > cpus + 1e-9:
+        fits = max((k for k in range(1, most) if resources_needed(cfg, k)["CPU"] <= cpus + 1e-9), default=0)
+        raise ConfigError([f"bench.engine_schedule={schedule}: {most} engines (at "
+                           f"engine.num_cpus_per_engine={cfg.engine.num_cpus_per_engine:g}, with the trainer and the "
+                           f"rollout workers) need {resources_needed(cfg, most)['CPU']:g} CPUs; this local cluster "
+                           f"has {cpus:g} (cluster.num_cpus): at most {fits} engine(s) fit, or lower "
+                           "engine.num_cpus_per_engine"])
+    return schedule
+
+
 def run_elastic_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
+    schedule = engine_schedule(cfg, bench)
     root = Path(cfg.run.output_dir or HydraConfig.get().runtime.output_dir)
     run_dir = root / "run"
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.output_dir=")]
@@ -78,7 +101,7 @@ def run_elastic_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         with open(logs, "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, TAG_ENV: tag})
-            for step, engines in bench.engine_schedule:
+            for step, engines in schedule:
                 _wait(proc, logs, lambda s=step: _last_step(run_dir) >= s, f"before step {step}")
                 seen = len(_scale_events(run_dir))
                 _control("scale", run_dir, "--engines", str(engines))

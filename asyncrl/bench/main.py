@@ -51,7 +51,11 @@ def _hydra_main(dict_cfg: DictConfig) -> None:
     cfg = validate_or_exit(dict_cfg)
     name, bench = _selected[0]
     module, func = BENCHMARKS[name].split(":")
-    result = getattr(importlib.import_module(module), func)(cfg, bench)
+    try:
+        result = getattr(importlib.import_module(module), func)(cfg, bench)
+    except ConfigError as e:  # what a bench refuses of the config once it is composed
+        print(f"asyncrl bench {name}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(json.dumps(result), flush=True)
 
 

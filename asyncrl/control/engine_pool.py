@@ -86,7 +86,7 @@ class EnginePool:
         """Start a new engine in slot `i`'s bundle; the run goes on meanwhile (the dead one's loops
         already moved to the live engines). `poll_starting` takes it in, with `event`."""
         t0 = time.monotonic()
-        self._stop(i, timeout_s=10)
+        self._stop([i], timeout_s=10)
         self._start(i, event, t0)
 
     def _start(self, i: int, event: FaultEvent | ScaleEvent, t0: float) -> None:
@@ -100,12 +100,46 @@ class EnginePool:
         self.created[i] += 1
         self.starting[i] = (self.engines[i].start.remote(), event, t0)
 
-    def _stop(self, i: int, timeout_s: float) -> None:
-        try:  # what is left of its vLLM processes stops with it
-            ray.get(self.engines[i].shutdown.remote(), timeout=timeout_s)
-        except Exception:  # dead, or hung
-            pass
-        kill(self.engines[i])
+    def _stop(self, slots: list[int], timeout_s: float) -> None:
+        """Stop these slots' engines' vLLM processes, all at once under one deadline, then the
+        actors (a dead or hung engine is killed all the same)."""
+        refs = {self.engines[i].shutdown.remote(): i for i in slots}
+        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as e:  # dead: killed below
+                logger.warning("engine-%d's shutdown: %s", refs[ref], error_line(e))
+        if late:
+            logger.warning("engine(s) %s did not shut down within %gs: killed",
+                           ", ".join(f"engine-{refs[r]}" for r in late), timeout_s)
+        for i in slots:
+            kill(self.engines[i])
+
+    def _placed(self, i: int) -> bool:
+        """Whether slot `i`'s bundle is reserved. The run's placement group was placed at the start;
+        an added slot's own group waits until the cluster has room, which may never come."""
+        if i not in self.own_groups:
+            return True
+        return ray.util.placement_group_table(self.own_groups[i][1]).get("state") == "CREATED"
+
+    def cancel_unplaced(self) -> list[ScaleEvent]:
+        """The run ends: stop waiting for the engines whose bundle the cluster has no room for.
+        Each is killed and its placement group removed; a scale-up with no engine left starting
+        is over (returned, its cancelled slots listed). Those placed go on starting."""
+        over: list[ScaleEvent] = []
+        for i in [i for i in self.starting if not self._placed(i)]:
+            _, event, _ = self.starting.pop(i)
+            kill(self.engines[i])
+            self.engines[i] = self.routed[i] = None
+            actors.remove_bundle(self.own_groups.pop(i)[1])
+            logger.warning("engine-%d never got a place in the cluster: cancelled, as the run ends", i)
+            if isinstance(event, ScaleEvent):
+                event.cancelled.append(i)
+                event.engines_after -= 1
+                if not any(e is event for _, e, _ in self.starting.values()) and all(x is not event for x in over):
+                    over.append(event)
+        return over
 
     # -- elastic ---------------------------------------------------------------------
 
@@ -139,8 +173,8 @@ class EnginePool:
             except Exception as e:  # dead meanwhile: removed all the same
                 logger.warning("engine-%d failed while being removed: %s", i, error_line(e))
         t2 = time.monotonic()
+        self._stop(slots, timeout_s=60)
         for i in slots:
-            self._stop(i, timeout_s=60)
             self.engines[i] = self.routed[i] = None
             if i in self.own_groups:
                 actors.remove_bundle(self.own_groups.pop(i)[1])
@@ -212,15 +246,10 @@ class EnginePool:
                 logger.warning("an engine failed while resuming: %s", error_line(e))
         return resumed
 
-    def shutdown(self) -> None:
-        """Stop every engine's vLLM processes, then the actors."""
-        engines = [e for e in self.engines if e is not None]
-        for e in engines:
-            try:
-                ray.get(e.shutdown.remote(), timeout=60)
-            except Exception as err:  # a dead engine cannot shut down; it is killed below
-                logger.warning("engine shutdown: %s", error_line(err))
-        for e in engines:
-            kill(e)
+    def shutdown(self, timeout_s: float = 60) -> None:
+        """Stop every engine's vLLM processes (all at once, within `timeout_s`), then the actors;
+        engines still waiting for a place are cancelled first (they would never answer)."""
+        self.cancel_unplaced()
+        self._stop([i for i, e in enumerate(self.engines) if e is not None], timeout_s)
         for _, group in self.own_groups.values():
             actors.remove_bundle(group)

@@ -83,6 +83,14 @@ class Supervisor:
         for event in self.engines.poll_starting(block):
             self.record(event)
 
+    def end_starting(self) -> None:
+        """The run ends: engines the cluster has no room for are cancelled (a scale-up that had
+        only those left is recorded with them as cancelled), those placed are waited for."""
+        for event in self.engines.cancel_unplaced():
+            self.record(event)
+        while self.engines.starting:
+            self.poll_starting(block=True)
+
     def _replace_worker(self, i: int, why: str) -> None:
         """A new worker in the dead one's bundle; every prompt the dead one held starts again."""
         self.count_restart("rollout_worker", self.cfg.run.max_worker_restarts, why)
@@ -111,8 +119,9 @@ class Supervisor:
         phases = {k: round(v, 2) for k, v in event.phases_s.items()}
         if isinstance(event, ScaleEvent):
             self.scale_events.append(event)
-            logger.warning("engines %d -> %d (%s) in %.1fs: %s", event.engines_before, event.engines_after,
-                           event.reason, event.scale_s, phases)
+            logger.warning("engines %d -> %d (%s) in %.1fs: %s%s", event.engines_before, event.engines_after,
+                           event.reason, event.scale_s, phases,
+                           f"; {len(event.cancelled)} never placed, cancelled" if event.cancelled else "")
         else:
             self.faults.append(event)
             logger.warning("recovered from a %s fault (%s) in %.1fs: %s", event.kind, event.actor, event.recovery_s,
