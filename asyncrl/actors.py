@@ -17,6 +17,7 @@ by Ray at this edge; nothing below this module imports Ray's actor machinery for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -106,9 +107,36 @@ def start_ray(cfg: Config) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus or None,
-             include_dashboard=cfg.cluster.dashboard, log_to_driver=True)
+    start_local_ray(cfg)
     return True
+
+
+def start_local_ray(cfg: Config, dashboard: bool | None = None, log_to_driver: bool = True) -> None:
+    """An embedded single-node cluster (`dashboard`: default cluster.dashboard), this user's
+    alone: what Ray writes while it starts (its token, the session's port files) is created
+    private, the dashboard answers on loopback, and Ray's metrics exporter, which listens on
+    every interface without authentication, runs only with cluster.ray_metrics (ray 2.60: the
+    raylet reads RayConfig's enable_metrics_collection from RAY_*)."""
+    if not cfg.cluster.ray_metrics:
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    umask = os.umask(0o077)
+    try:
+        ray.init(address="local", num_cpus=cfg.cluster.num_cpus, num_gpus=cfg.cluster.num_gpus or None,
+                 include_dashboard=cfg.cluster.dashboard if dashboard is None else dashboard,
+                 dashboard_host="127.0.0.1", log_to_driver=log_to_driver)
+    finally:
+        os.umask(umask)
+    private_ray_token()
+
+
+def private_ray_token() -> None:
+    """Ray's token file (~/.ray/auth_token: whoever reads it controls every cluster that uses it)
+    0600 and its directory 0700, however an earlier Ray made them."""
+    token = Path.home() / ".ray" / "auth_token"
+    for path, mode in ((token.parent, 0o700), (token, 0o600)):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if path.lstat().st_uid == os.getuid() and not path.is_symlink():
+                path.chmod(mode)
 
 
 def engine_resources(cfg: Config) -> dict[str, float]:

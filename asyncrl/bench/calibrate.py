@@ -210,8 +210,7 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
     from transformers import AutoConfig
 
     # A Ray cluster as a run starts one (its dashboard's processes float onto the trainer's core too)
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=cfg.cluster.dashboard,
-             log_to_driver=False)
+    actors.start_local_ray(cfg, log_to_driver=False)
     trainer = None
     try:
         engines = actors.create_engines(cfg)

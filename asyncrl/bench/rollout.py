@@ -188,7 +188,7 @@ def run_rollout_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
 
     problems = TaskSource(cfg.data).heldout[: bench.num_prompts]
     tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    actors.start_local_ray(cfg, dashboard=False, log_to_driver=False)
     try:
         return asyncio.run(_rollout_bench(cfg, bench, problems, [tok.encode(p.prompt) for p in problems]))
     finally:

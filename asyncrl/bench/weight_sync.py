@@ -93,7 +93,7 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
 
     from asyncrl.tasks import TaskSource
 
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=False)
+    actors.start_local_ray(cfg, dashboard=False, log_to_driver=False)
     trainer = None
     try:
         engines = actors.create_engines(cfg, engine_class=RawReceiveEngine)

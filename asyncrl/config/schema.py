@@ -414,7 +414,10 @@ class ClusterConfig:
     device: str = "cpu"  # cpu | cuda
     num_cpus: int | None = None  # embedded cluster only; None: all cores
     num_gpus: int = 0
-    dashboard: bool = True
+    dashboard: bool = True  # embedded cluster: on 127.0.0.1 only
+    # Embedded cluster: Ray's Prometheus metrics endpoint (the ray_asyncrl_* gauges). Ray binds it
+    # to every interface, unauthenticated, so it is off unless asked for (docs/security.md).
+    ray_metrics: bool = False
     # Simulated seconds per real second, with engine.backend=sim and trainer.backend=sim: every time
     # the run logs is then simulated time (timeouts stay real). 1 with real backends.
     time_scale: float = 1.0
