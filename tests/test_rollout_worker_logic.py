@@ -367,9 +367,28 @@ def test_a_checkpoint_holds_each_unfinished_group_and_another_worker_continues_i
         restored = [PendingGroupState.from_dict(d) for d in saved]
         assert (await second.restore(restored, [problem])).accepted == 1
         await second.drain()
-        return states, second, holder2.engine
 
-    states, second, engine = asyncio.run(scenario())
+        # a crafted checkpoint: its finished sample's reward NaN, a snapshot's token id 2**70; those
+        # two start again from their prompts, counted; the other snapshots resume
+        crafted = json.loads(json.dumps(saved))
+        finished = next(i for i, t in enumerate(crafted[0]["trajectories"]) if t is not None)
+        crafted[0]["trajectories"][finished]["reward"] = float("nan")
+        crafted[0]["snapshots"]["1"]["trajectory"]["segments"][0]["token_ids"][0] = 2**70
+        third, holder3 = make_worker(cfg, sink=Sink())
+        fresh = third.tokenizer.encode(problem.prompt)
+        holder3.engine = ScriptedInference(lambda request: Reply(
+            f"Answer: {problem.answer}" if request.prompt_token_ids == fresh else f": {problem.answer}"),
+            third.tokenizer)
+        assert (await third.restore([PendingGroupState.from_dict(d) for d in crafted], [problem])).accepted == 1
+        await third.drain()
+        return states, second, holder2.engine, third, holder3.engine
+
+    states, second, engine, third, third_engine = asyncio.run(scenario())
+    assert third.get_stats().failures == {"checkpoint_refused": 2} and third.get_stats().resumes == 2
+    (group,) = third.sink.groups
+    assert all(t.reward == 1.0 for t in group.trajectories)
+    from_prompt = [r for r in third_engine.requests if r.max_new_tokens == cfg.rollout.max_new_tokens]
+    assert len(from_prompt) == 2 and len(third_engine.requests) == 4
     (state,) = states
     assert sum(t is not None for t in state.trajectories) == 1 and sorted(state.snapshots) == [1, 2, 3]
     assert all(s.trajectory.response_token_ids == second.tokenizer.encode("Answer") for s in state.snapshots.values())

@@ -5,7 +5,9 @@ answers with whole trajectory groups: token ids, logprobs, versions, rewards, ro
 or buggy server must not crash a train step (a token id of 2**70, routes that do not reshape) or
 poison it (a NaN reward or logprob makes the loss NaN, and bf16/fp32 weights take it). Each
 group is checked here against what this run's model and engines can have produced; a group that
-fails becomes a counted `remote_error` (rollout/worker.py), never a trained one.
+fails becomes a counted `remote_error` (rollout/worker.py), never a trained one. The samples a
+checkpoint holds (finished trajectories, loop snapshots) are checked the same way when a run
+resumes from it: one that fails starts again from its prompt (`checkpoint_refused`).
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ def group_problem(group: TrajectoryGroup, size: int, limits: TrajectoryLimits) -
     if len(group.trajectories) != size:
         return f"{len(group.trajectories)} trajectories for a group of {size}"
     for i, t in enumerate(group.trajectories):
-        why = _trajectory_problem(t, limits)
+        why = trajectory_problem(t, limits)
         if why is not None:
             return f"trajectory {i}: {why}"
     return None
 
 
-def _trajectory_problem(t, limits: TrajectoryLimits) -> str | None:
+def trajectory_problem(t, limits: TrajectoryLimits) -> str | None:
+    """Why trajectory `t` cannot be trained on or continued, in one line; None if it can."""
     if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
         return f"reward {t.reward!r} is not a finite number"
     if not t.prompt_token_ids:

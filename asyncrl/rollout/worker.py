@@ -51,7 +51,7 @@ from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.router import EngineRouter
-from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits
+from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits, trajectory_problem
 from asyncrl.tasks import Problem
 from asyncrl.types import (
     AgentLoopSnapshot,
@@ -216,9 +216,9 @@ class RolloutWorker:
 
     async def restore(self, groups: list[PendingGroupState], problems: list[Problem]) -> Admitted:
         """Continue groups a checkpoint holds (`problems[i]` is `groups[i]`'s problem): finished
-        samples are kept, each snapshot resumes where it stopped (a sample with neither starts
-        from its prompt). Answers as `submit` (a row refused now, e.g. by a smaller context, is
-        refused as at submit)."""
+        samples are kept, each snapshot resumes where it stopped (a sample with neither, or one
+        that fails the checks of asyncrl/rollout/trust.py, starts from its prompt). Answers as
+        `submit` (a row refused now, e.g. by a smaller context, is refused as at submit)."""
         answer = Admitted()
         for state, problem in zip(groups, problems, strict=True):
             group = self._admit(problem, len(state.trajectories))
@@ -229,9 +229,16 @@ class RolloutWorker:
             group.group_id, group.trajectories = state.group_id, list(state.trajectories)
             self._pending[group.group_id] = group
             for i, done in enumerate(group.trajectories):
+                start = state.snapshots.get(i)
+                kept = done if done is not None else start.trajectory if start is not None else None
+                why = None if kept is None else trajectory_problem(kept, self._remote_limits())
+                if why is not None:  # a corrupt or crafted checkpoint: the sample starts again from its prompt
+                    logger.warning("worker-%d: sample %d of %s in the checkpoint refused (%s): it starts again",
+                                   self.worker_id, i, group.group_id, why)
+                    self._count(Failure("checkpoint_refused", why))
+                    group.trajectories[i] = done = start = None
                 if done is not None:
                     continue
-                start = state.snapshots.get(i)
                 if start is not None:
                     self.stats.resumes += 1
                 else:
