@@ -18,11 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from asyncrl.agents.registry import check_registered
 from asyncrl.config import Config, ConfigError, compose, validate
+from asyncrl.config.models import trainable_model_problems
 
 
-def validate_config(cfg: DictConfig | dict[str, Any]) -> Config:
-    """The typed config, or a `ConfigError` naming every bad value."""
-    return validate(cfg, checks=[check_registered])
+def validate_config(cfg: DictConfig | dict[str, Any], trains: bool = False) -> Config:
+    """The typed config, or a `ConfigError` naming every bad value. `trains`: for a command that
+    trains, the model must be one the trainer loads (asyncrl eval serves any vLLM runs)."""
+    return validate(cfg, checks=[check_registered, *([trainable_model_problems] if trains else [])])
 
 
 def load_config(overrides: list[str] | None = None) -> Config:
@@ -39,16 +41,16 @@ def load_config_file(path: str, overrides: list[str] | None = None) -> Config:
                                            OmegaConf.from_dotlist(list(overrides or []))))
 
 
-def validate_or_exit(cfg: DictConfig) -> Config:
+def validate_or_exit(cfg: DictConfig, trains: bool = False) -> Config:
     """For CLI entry points: the typed config, or the problems on stderr and exit status 2."""
     try:
-        return validate_config(cfg)
+        return validate_config(cfg, trains)
     except ConfigError as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
-def validate_shown_config(config_name: str, argv: Sequence[str] | None = None) -> None:
+def validate_shown_config(config_name: str, argv: Sequence[str] | None = None, trains: bool = False) -> None:
     """For a Hydra app's `main()`, before Hydra takes over: with `--cfg job` (or `all`) Hydra prints
     the config and never calls the app, so validate it here, as a run would, and exit with status 2
     and the same problems; a config that `--cfg job` shows is one a run accepts. Without those flags,
@@ -66,4 +68,4 @@ def validate_shown_config(config_name: str, argv: Sequence[str] | None = None) -
         cfg = compose(overrides, config_name=args.config_name or config_name)
     except Exception:  # Hydra composes again and reports the error its own way
         return
-    validate_or_exit(cfg)
+    validate_or_exit(cfg, trains)

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(dict_cfg: DictConfig) -> None:
-    cfg = validate_or_exit(dict_cfg)
+    cfg = validate_or_exit(dict_cfg, trains=True)
     from asyncrl.driver import run_training
     from asyncrl.monitoring.plot import plot_run
 
@@ -51,7 +51,7 @@ def _hydra_main(dict_cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    validate_shown_config("config")
+    validate_shown_config("config", trains=True)
     _hydra_main()
 
 

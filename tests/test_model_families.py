@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
-from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, model_config_problems, read_model_config
+from asyncrl.config.models import model_config_problems
+from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 MOE_FAMILIES = ("qwen3_moe",)
@@ -89,7 +90,13 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
         read_model_config(str(tmp_path))
     message = str(err.value)
     assert "\n" not in message
-    assert "'gpt2' is not supported" in message and "qwen2, qwen3, llama" in message
+    assert "'gpt2' is not supported" in message and "qwen2, qwen3, llama (dense), qwen3_moe (mixture" in message
+    # `asyncrl train` refuses it at validation, before Ray starts: exit 2, one line naming the key
+    out = run_cli("train", "recipe=arith", f"model.path={tmp_path}", cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    (line,) = [x for x in out.stderr.splitlines() if "model.path=" in x]
+    assert line.strip() == f"- model.path={str(tmp_path)!r}: {message.split(': ', 1)[1]}"
+    assert "Started a local Ray instance" not in out.stderr
 
 
 def test_features_the_conversion_does_not_cover_are_refused():

@@ -48,7 +48,7 @@ _selected: list[tuple[str, BenchConfig]] = []
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(dict_cfg: DictConfig) -> None:
-    cfg = validate_or_exit(dict_cfg)
+    cfg = validate_or_exit(dict_cfg, trains=True)
     name, bench = _selected[0]
     module, func = BENCHMARKS[name].split(":")
     try:
@@ -72,5 +72,5 @@ def main() -> None:
         raise SystemExit(2) from None
     _selected.append((sys.argv[1], bench))
     sys.argv = [f"{sys.argv[0]} {sys.argv[1]}", *rest]
-    validate_shown_config("config")
+    validate_shown_config("config", trains=True)
     _hydra_main()

@@ -27,16 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncrl.config.models import model_problem
 from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", *MOE_MODEL_TYPES)
-# Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
-# dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def transformer_engine_available() -> bool:
@@ -48,52 +45,16 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
-    """What in this HF config asyncrl's trainer does not convert exactly (empty: nothing)."""
-    problems = []
-    rope = getattr(hf, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
-    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
-        problems.append("sliding-window attention")
-    if hf.model_type in ("qwen3", "llama") and getattr(hf, "attention_bias", False):
-        # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
-        problems.append("attention_bias=true")
-    if getattr(hf, "mlp_bias", False):
-        problems.append("mlp_bias=true")
-    if hf.model_type in MOE_MODEL_TYPES:
-        if not getattr(hf, "norm_topk_prob", True):
-            # megatron's top-k-then-softmax router renormalises the top-k probabilities.
-            problems.append("norm_topk_prob=false")
-        if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
-            problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
-    if hf.vocab_size % tp_size:
-        # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
-        problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
-    return problems
-
-
 def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:
     """The HF config at `model_path` (a directory or a Hub id), checked: a ValueError of one line
-    names what asyncrl's trainer cannot load exactly (an unsupported model type, a feature)."""
-    from transformers import AutoConfig, PreTrainedConfig
+    names what asyncrl's trainer cannot load exactly (an unsupported model type, a feature).
+    Validation runs the same check before anything starts (asyncrl/config/models.py)."""
+    from transformers import AutoConfig
 
-    raw, _ = PreTrainedConfig.get_config_dict(model_path)  # the type first: AutoConfig may not know it
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{model_path}: model type {model_type!r} is not supported by the megatron trainer; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (dense; see docs/models.md)")
-    hf = AutoConfig.from_pretrained(model_path)
-    problems = model_config_problems(hf, tp_size)
-    if problems:
-        raise ValueError(f"{model_path}: {model_type} with {'; '.join(problems)} is not supported by the "
-                         "megatron trainer (see docs/models.md)")
-    return hf
+    problem = model_problem(model_path, tp_size)
+    if problem:
+        raise ValueError(f"{model_path}: {problem}")
+    return AutoConfig.from_pretrained(model_path)
 
 
 def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
