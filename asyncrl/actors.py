@@ -27,8 +27,8 @@ from typing import Any
 import ray
 
 from asyncrl.clock import Clock
+from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
-from asyncrl.config.validate import checkpoint_model_type
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.sim_engine import SimEngine

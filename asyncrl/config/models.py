@@ -5,7 +5,9 @@ tests behind each."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
@@ -75,3 +77,11 @@ def trainable_model_problems(c: Config) -> list[str]:
         return []
     problem = model_problem(path, c.trainer.tensor_parallel_size)
     return [f"model.path={path!r}: {problem}"] if problem else []
+
+
+def checkpoint_model_type(path: str) -> str | None:
+    """The model_type in a checkpoint directory's config.json (None: not a readable local one)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None

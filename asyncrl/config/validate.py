@@ -8,7 +8,6 @@ every problem found — each naming the key, the value and what would be valid.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import (
     AGGREGATIONS,
     DATA_FORMATS,
@@ -158,16 +158,23 @@ def _describe_omegaconf_error(e: OmegaConfBaseException, section: str) -> str:
 
 
 def _check_values(c: Config, problems: list[str]) -> None:
-    need, at_least, one_of, within = _checkers(problems)
     # every float, checked by a rule below or not (weights, coefficients, limits)
     problems += [_not_finite(key, value) for key, value in _floats("", c) if not math.isfinite(value)]
+    checkers = _checkers(problems)
+    for check in (_check_model, _check_run, _check_agents_or_data, _check_engine, _check_eval, _check_trainer,
+                  _check_algorithm, _check_rollout, _check_tools, _check_cluster):
+        check(c, problems, *checkers)
+    _check_across(c, problems, *checkers)
 
-    # model
+
+def _check_model(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     _check_checkpoint_dir("model.path", c.model.path, problems)
+    if c.model.tokenizer_path:
+        _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
+
+
+def _check_run(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    if c.algorithm.max_staleness >= 0:  # (a negative one is reported on its own)
-        need(0 <= c.algorithm.policy_lag <= c.algorithm.max_staleness, "algorithm.policy_lag", c.algorithm.policy_lag,
-             f"must be in [0, algorithm.max_staleness={c.algorithm.max_staleness}] (no token may be staler than that)")
     for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts"):
         at_least(f"run.{key}", getattr(c.run, key), 0, "0: the first such fault ends the run")
     need(0 < c.run.health_timeout_s <= MAX_TIMEOUT_S, "run.health_timeout_s", c.run.health_timeout_s,
@@ -179,57 +186,64 @@ def _check_values(c: Config, problems: list[str]) -> None:
     elif c.run.resume_from and not (Path(c.run.resume_from) / "trainer_state.json").is_file():
         problems.append(f"run.resume_from={c.run.resume_from!r}: not an asyncrl checkpoint "
                         "(expected RUN_DIR/checkpoints/step_N with trainer_state.json)")
-    if c.model.tokenizer_path:
-        _check_checkpoint_dir("model.tokenizer_path", c.model.tokenizer_path, problems, "tokenizer_config.json")
 
-    # data: the `agents`, or the one dataset agent the `data` section makes
+
+def _check_agents_or_data(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    """The `agents`, or the one dataset agent the `data` section makes."""
     if c.agents:
         _check_agents(c, need, at_least)
     else:
         _check_data("data", c.data, problems)
 
-    # engine
-    one_of("engine.backend", c.engine.backend, ENGINE_BACKENDS)
-    one_of("engine.dtype", c.engine.dtype, DTYPES)
-    within("engine.num_engines", c.engine.num_engines, 1, MAX_WORKERS)
-    at_least("eval.max_concurrent", c.eval.max_concurrent, 1)
-    at_least("eval.max_deferred_syncs", c.eval.max_deferred_syncs, 0, "0: training waits for an evaluation "
-             "at the next weight sync")
-    at_least("eval.periodic_num_problems", c.eval.periodic_num_problems, 0, "0: eval.num_problems")
-    need(not c.eval.adapter or os.path.isfile(os.path.join(c.eval.adapter, "adapter_config.json")),
-         "eval.adapter", c.eval.adapter, "not a PEFT adapter directory (no adapter_config.json)")
-    within("engine.tensor_parallel_size", c.engine.tensor_parallel_size, 1, MAX_PARALLEL)
-    a = c.engine.autoscale
+
+def _check_engine(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    e = c.engine
+    one_of("engine.backend", e.backend, ENGINE_BACKENDS)
+    one_of("engine.dtype", e.dtype, DTYPES)
+    within("engine.num_engines", e.num_engines, 1, MAX_WORKERS)
+    within("engine.tensor_parallel_size", e.tensor_parallel_size, 1, MAX_PARALLEL)
+    a = e.autoscale
     if a.enabled:
         within("engine.autoscale.min_engines", a.min_engines, 1, MAX_WORKERS)
         within("engine.autoscale.max_engines", a.max_engines, a.min_engines, MAX_WORKERS,
                "from engine.autoscale.min_engines")
-        within("engine.num_engines", c.engine.num_engines, a.min_engines, a.max_engines,
+        within("engine.num_engines", e.num_engines, a.min_engines, a.max_engines,
                "the engines a run starts with, between engine.autoscale.min_engines and max_engines")
         within("engine.autoscale.grow_when_trainer_idle", a.grow_when_trainer_idle, 0.0, 1.0)
         within("engine.autoscale.shrink_when_engines_idle", a.shrink_when_engines_idle, 0.0, 1.0)
         within("engine.autoscale.window_steps", a.window_steps, 1, 1000)
         at_least("engine.autoscale.cooldown_steps", a.cooldown_steps, 0)
-    need(c.engine.max_model_len > c.rollout.max_new_tokens, "engine.max_model_len", c.engine.max_model_len,
-         f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
-    need(c.engine.max_model_len <= MAX_MODEL_LEN, "engine.max_model_len", c.engine.max_model_len,
+    need(e.max_model_len <= MAX_MODEL_LEN, "engine.max_model_len", e.max_model_len,
          f"must be <= {MAX_MODEL_LEN} tokens")
-    within("engine.max_num_seqs", c.engine.max_num_seqs, 1, MAX_NUM_SEQS)
-    within("engine.cpu_kvcache_space_gib", c.engine.cpu_kvcache_space_gib, 1, MAX_KVCACHE_GIB,
-           "vLLM-CPU needs a KV cache")
-    need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", c.engine.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
-         c.engine.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
-    for key, spec in (("engine.cpu_cores", c.engine.cpu_cores), ("rollout.cpu_cores", c.rollout.cpu_cores),
-                      ("trainer.cpu_cores", c.trainer.cpu_cores)):
-        _check_cores(key, spec, c.cluster.address, problems)
-    need(0 < c.engine.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
-         c.engine.gpu_memory_utilization, "must be in (0, 1]")
-    need(c.engine.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", c.engine.num_cpus_per_engine, "must be > 0")
+    within("engine.max_num_seqs", e.max_num_seqs, 1, MAX_NUM_SEQS)
+    within("engine.cpu_kvcache_space_gib", e.cpu_kvcache_space_gib, 1, MAX_KVCACHE_GIB, "vLLM-CPU needs a KV cache")
+    need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", e.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
+         e.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
+    need(0 < e.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", e.gpu_memory_utilization,
+         "must be in (0, 1]")
+    need(e.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", e.num_cpus_per_engine, "must be > 0")
 
-    # trainer
+
+def _check_eval(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    v = c.eval
+    at_least("eval.max_concurrent", v.max_concurrent, 1)
+    at_least("eval.max_deferred_syncs", v.max_deferred_syncs, 0, "0: training waits for an evaluation "
+             "at the next weight sync")
+    at_least("eval.periodic_num_problems", v.periodic_num_problems, 0, "0: eval.num_problems")
+    need(not v.adapter or os.path.isfile(os.path.join(v.adapter, "adapter_config.json")),
+         "eval.adapter", v.adapter, "not a PEFT adapter directory (no adapter_config.json)")
+    at_least("eval.every_steps", v.every_steps, 0, "0: only before and after training")
+    need(1 <= v.num_problems <= c.data.heldout_size, "eval.num_problems", v.num_problems,
+         f"must be in [1, data.heldout_size={c.data.heldout_size}]")
+    within("eval.n_samples", v.n_samples, 1, MAX_GROUP_SIZE)
+    for i, k in enumerate(v.pass_k if v.n_samples >= 1 else []):
+        need(1 <= k <= v.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={v.n_samples}]")
+    at_least("eval.temperature", v.temperature, 0)
+
+
+def _check_trainer(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     t = c.trainer
     one_of("trainer.backend", t.backend, TRAINER_BACKENDS)
-    _check_sim(c, need, at_least)
     need(t.expert_parallel_size >= 1 and t.data_parallel_size % t.expert_parallel_size == 0,
          "trainer.expert_parallel_size", t.expert_parallel_size,
          f"must divide trainer.data_parallel_size={t.data_parallel_size} (experts are split over data-parallel ranks)")
@@ -258,9 +272,9 @@ def _check_values(c: Config, problems: list[str]) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         need(0 <= getattr(t, name) < 1, f"trainer.{name}", getattr(t, name), "must be in [0, 1)")
     need(t.adam_eps > 0, "trainer.adam_eps", t.adam_eps, "must be > 0")
-    _check_lora(c, need, within)
 
-    # algorithm
+
+def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     a = c.algorithm
     need(a.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
          "must be >= 2: group-relative advantages compare samples of the same prompt")
@@ -268,25 +282,17 @@ def _check_values(c: Config, problems: list[str]) -> None:
          f"must be <= {MAX_GROUP_SIZE}")
     at_least("algorithm.prompts_per_step", a.prompts_per_step, 1)
     at_least("algorithm.max_staleness", a.max_staleness, 0, "0 = synchronous on-policy")
+    if a.max_staleness >= 0:  # (a negative one is reported on its own)
+        need(0 <= a.policy_lag <= a.max_staleness, "algorithm.policy_lag", a.policy_lag,
+             f"must be in [0, algorithm.max_staleness={a.max_staleness}] (no token may be staler than that)")
     at_least("algorithm.sync_every_steps", a.sync_every_steps, 1)
     one_of("algorithm.pause_mode", a.pause_mode, PAUSE_MODES)
-    need(a.pause_mode != "none" or c.trainer.lora.rank > 0, "algorithm.pause_mode", a.pause_mode,
-         "none switches LoRA adapters without pausing: needs trainer.lora.rank > 0")
     one_of("algorithm.routing_replay", a.routing_replay, ROUTING_REPLAYS)
-    if a.routing_replay == "r3":
-        need(c.engine.backend == "vllm" and t.backend == "megatron", "algorithm.routing_replay", a.routing_replay,
-             "needs engine.backend=vllm and trainer.backend=megatron (vLLM returns routes, megatron replays them)")
-        model_type = checkpoint_model_type(c.model.path)
-        need(model_type is None or model_type in MOE_MODEL_TYPES, "algorithm.routing_replay", a.routing_replay,
-             f"needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is {model_type!r}")
     samples = a.prompts_per_step * a.n_samples_per_prompt
     need(samples <= MAX_SAMPLES_PER_STEP or a.n_samples_per_prompt > MAX_GROUP_SIZE, "algorithm.prompts_per_step",
          a.prompts_per_step,
          f"times algorithm.n_samples_per_prompt={a.n_samples_per_prompt} must be <= {MAX_SAMPLES_PER_STEP} "
          "samples per step")
-    need(1 <= t.mini_batches_per_step <= samples, "trainer.mini_batches_per_step", t.mini_batches_per_step,
-         f"must be in [1, {samples}] (the samples per step: algorithm.prompts_per_step x n_samples_per_prompt)")
-
     loss = a.loss
     one_of("algorithm.loss.type", loss.type, LOSS_TYPES)
     need(0 <= loss.clip_eps_low < 1, "algorithm.loss.clip_eps_low", loss.clip_eps_low, "must be in [0, 1)")
@@ -296,7 +302,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     at_least("algorithm.loss.entropy_coef", loss.entropy_coef, 0)
     one_of("algorithm.loss.aggregation", loss.aggregation, AGGREGATIONS)
 
-    # rollout
+
+def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     r = c.rollout
     within("rollout.num_workers", r.num_workers, 1, MAX_WORKERS)
     within("rollout.max_concurrent_loops", r.max_concurrent_loops, 1, MAX_CONCURRENT_LOOPS, "per worker")
@@ -307,7 +314,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
          f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
     need(r.num_cpus_per_worker > 0, "rollout.num_cpus_per_worker", r.num_cpus_per_worker, "must be > 0")
 
-    # tools
+
+def _check_tools(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     t, sb = c.tools, c.tools.sandbox
     within("tools.max_calls", t.max_calls, 0, 1024)
     need(0 < t.timeout_s <= MAX_TIMEOUT_S, "tools.timeout_s", t.timeout_s, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
@@ -323,20 +331,38 @@ def _check_values(c: Config, problems: list[str]) -> None:
     within("tools.sandbox.max_processes", sb.max_processes, 1, 4096)
     within("tools.sandbox.max_output_bytes", sb.max_output_bytes, 1, 1 << 24)
 
-    # cluster, logging, eval
+
+def _check_cluster(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    """The cluster and logging sections."""
     one_of("cluster.device", c.cluster.device, DEVICES)
     at_least("cluster.num_gpus", c.cluster.num_gpus, 0)
     if c.cluster.num_cpus is not None:
         at_least("cluster.num_cpus", c.cluster.num_cpus, 1)
     one_of("logging.level", c.logging.level, LOG_LEVELS)
     one_of("logging.wandb.mode", c.logging.wandb.mode, WANDB_MODES)
-    at_least("eval.every_steps", c.eval.every_steps, 0, "0: only before and after training")
-    need(1 <= c.eval.num_problems <= c.data.heldout_size, "eval.num_problems", c.eval.num_problems,
-         f"must be in [1, data.heldout_size={c.data.heldout_size}]")
-    within("eval.n_samples", c.eval.n_samples, 1, MAX_GROUP_SIZE)
-    for i, k in enumerate(c.eval.pass_k if c.eval.n_samples >= 1 else []):
-        need(1 <= k <= c.eval.n_samples, f"eval.pass_k[{i}]", k, f"must be in [1, eval.n_samples={c.eval.n_samples}]")
-    at_least("eval.temperature", c.eval.temperature, 0)
+
+
+def _check_across(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    """Rules that tie sections together."""
+    a, t = c.algorithm, c.trainer
+    need(c.engine.max_model_len > c.rollout.max_new_tokens, "engine.max_model_len", c.engine.max_model_len,
+         f"must exceed rollout.max_new_tokens={c.rollout.max_new_tokens} to leave room for the prompt")
+    for key, spec in (("engine.cpu_cores", c.engine.cpu_cores), ("rollout.cpu_cores", c.rollout.cpu_cores),
+                      ("trainer.cpu_cores", c.trainer.cpu_cores)):
+        _check_cores(key, spec, c.cluster.address, problems)
+    _check_sim(c, need, at_least)
+    _check_lora(c, need, within)
+    need(a.pause_mode != "none" or t.lora.rank > 0, "algorithm.pause_mode", a.pause_mode,
+         "none switches LoRA adapters without pausing: needs trainer.lora.rank > 0")
+    if a.routing_replay == "r3":
+        need(c.engine.backend == "vllm" and t.backend == "megatron", "algorithm.routing_replay", a.routing_replay,
+             "needs engine.backend=vllm and trainer.backend=megatron (vLLM returns routes, megatron replays them)")
+        model_type = checkpoint_model_type(c.model.path)
+        need(model_type is None or model_type in MOE_MODEL_TYPES, "algorithm.routing_replay", a.routing_replay,
+             f"needs a mixture-of-experts model ({', '.join(MOE_MODEL_TYPES)}); model.path is {model_type!r}")
+    samples = a.prompts_per_step * a.n_samples_per_prompt
+    need(1 <= t.mini_batches_per_step <= samples, "trainer.mini_batches_per_step", t.mini_batches_per_step,
+         f"must be in [1, {samples}] (the samples per step: algorithm.prompts_per_step x n_samples_per_prompt)")
 
 
 def _check_sim(c: Config, need: Callable, at_least: Callable) -> None:
@@ -528,14 +554,6 @@ def _check_agents(c: Config, need: Any, at_least: Any) -> None:
 
 # A Hugging Face Hub id ("Qwen/Qwen2.5-0.5B-Instruct"): vLLM and the trainer download it at start.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def checkpoint_model_type(path: str) -> str | None:
-    """The model_type in a checkpoint directory's config.json (None: not a readable local one)."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
 
 
 def _check_checkpoint_dir(key: str, path: str, problems: list[str], marker: str = "config.json") -> None:
