@@ -21,7 +21,6 @@ replaces their dead (invariant 6; a dead trainer rank is `_restart_trainer`'s), 
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -41,12 +40,19 @@ from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.periodic_eval import PeriodicEvaluation
 from asyncrl.control.prompts import Prompts
 from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, take_snapshots
-from asyncrl.control.step_metrics import Clocks, cpu_totals, eval_metrics, gauges, rollout_metrics, step_metrics
+from asyncrl.control.step_metrics import (
+    Clocks,
+    batch_metrics,
+    cpu_totals,
+    eval_metrics,
+    gauges,
+    rollout_metrics,
+    step_metrics,
+)
 from asyncrl.control.supervisor import Supervisor
 from asyncrl.control.worker_pool import WorkerPool, kill
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.messages import Admitted, FaultEvent, QueueStats, error_line
-from asyncrl.metrics import length_histogram, reward_metrics
 from asyncrl.monitoring.run_log import RunLog, eval_overlap
 from asyncrl.sync.weight_sync import EnginesFailed
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused
@@ -163,16 +169,10 @@ class Driver:
         if result.staleness_max > cfg.algorithm.max_staleness:
             raise TrainingError(f"invariant broken: a trained token is {result.staleness_max} versions old, "
                                 f"algorithm.max_staleness={cfg.algorithm.max_staleness}")
-        metrics: dict[str, Any] = dict(result.metrics)
         trained = self.prompts.finish(groups)
-        # What a staleness rule or a filter leaves out shows as a difference between the two.
-        metrics["length/finished_hist"] = length_histogram([*groups, *stale])
-        metrics["length/trained_hist"] = length_histogram(trained)
-        metrics.update(reward_metrics(groups))  # a verl reward function's extra keys, over the step's samples
+        metrics: dict[str, Any] = {**result.metrics,
+                                   **batch_metrics(groups, stale, trained, multi_task=len(self.agents.weights) > 1)}
         step_samples = sum(len(g.trajectories) for g in groups)
-        if len(self.agents.weights) > 1:  # the multi-task mix as trained
-            metrics.update({f"batch/groups/{env}": n for env, n in
-                            collections.Counter(g.env_id for g in groups).items()})
         self.samples += step_samples
         if step % cfg.algorithm.sync_every_steps == 0:  # unless an evaluation holds the engines' policy
             t0 = self.clock.now()

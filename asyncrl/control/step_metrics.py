@@ -13,6 +13,8 @@ from typing import Any
 
 from asyncrl.evaluation import EvalResult
 from asyncrl.messages import EngineActivity, QueueStats, WorkerStats
+from asyncrl.metrics import length_histogram, reward_metrics
+from asyncrl.types import TrajectoryGroup
 
 
 @dataclass
@@ -24,6 +26,18 @@ class Clocks:
     activity: dict[Any, EngineActivity]
     rollout: dict[str, Any]
     cpu: dict[tuple, float]
+
+
+def batch_metrics(groups: list[TrajectoryGroup], stale: list[TrajectoryGroup], trained: list[TrajectoryGroup],
+                  multi_task: bool) -> dict[str, Any]:
+    """What a step's batch held: the lengths of everything taken from the queue and of what was
+    trained (a staleness rule or a filter shows as their difference), a verl reward function's
+    extra keys over the step's samples, and with several agents the groups of each env."""
+    out: dict[str, Any] = {"length/finished_hist": length_histogram([*groups, *stale]),
+                           "length/trained_hist": length_histogram(trained), **reward_metrics(groups)}
+    if multi_task:
+        out.update({f"batch/groups/{env}": n for env, n in collections.Counter(g.env_id for g in groups).items()})
+    return out
 
 
 def rollout_metrics(stats: list[WorkerStats]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ A dead engine is replaced in its bundle while the run goes on (its loops already
 live engines); it joins a new broadcast group once started and the workers' routing once a
 sync gave it the policy. A dead rollout worker is replaced and every prompt it held continues
 from its group in the worker's last mirror (taken at every sync), or from its prompt
-(`restart_lost_prompts`, the driver's: it knows the ledger). A dead
+(`Prompts.restart_lost`, given by the driver: it keeps the ledger). A dead
 trainer rank is the driver's to handle (the whole run goes back to a checkpoint); it counts
 and records that fault here too. Each fault is a `FaultEvent`: logged, counted in the
 metrics, appended to RUN_DIR/faults.jsonl and listed in summary.json; past

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron weights for dense Qwen2, Qwen3 and Llama models, through mbridge.
+"""Hugging Face <-> Megatron weights for Qwen2, Qwen3 and Llama (dense) and Qwen3-MoE models,
+through mbridge.
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
