@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithm.advantages import group_advantages, is_uniform
+from asyncrl.algorithm.advantages import group_advantages, is_uniform, rloo_advantages
 from asyncrl.algorithm.losses import aggregation_weights, policy_loss
 from asyncrl.config.schema import LossConfig
 
@@ -26,8 +26,10 @@ def loss_of(logp, mu, adv, mask=None, weights=None, **kw):
     weights = t(*(weights or [1.0] * n))
     prox = kw.pop("prox", None)
     ref = kw.pop("ref", None)
+    seq = kw.pop("seq", None)
     out = policy_loss(logp, t(*mu), t(*adv), mask, weights, LossConfig(**kw),
-                      prox=None if prox is None else t(*prox), ref_logp=None if ref is None else t(*ref))
+                      prox=None if prox is None else t(*prox), ref_logp=None if ref is None else t(*ref),
+                      seq_index=None if seq is None else torch.tensor(seq))
     out.loss.backward()
     return out, logp.grad
 
@@ -93,6 +95,63 @@ def test_truncated_importance_sampling():
     # below the cap: w = 0.3 / 0.6 = 0.5; gradient -0.5 * A = 1 for A = -2
     out, grad = loss_of([log(0.3)], [log(0.6)], [-2], type="tis")
     assert grad.tolist() == pytest.approx([1.0])
+
+
+def test_rloo_and_reinforce_pp_advantages_by_hand():
+    # rloo: rewards 1, 0, 0, 1 -> each minus the mean of the other three: 1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3
+    assert rloo_advantages([1, 0, 0, 1]) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    # 3, 1, 2: 3 - 1.5, 1 - 2.5, 2 - 2 (= n / (n - 1) times the centred rewards)
+    assert rloo_advantages([3, 1, 2]) == pytest.approx([1.5, -1.5, 0.0])
+    assert rloo_advantages([5.0]) == [0.0]
+    # REINFORCE++ normalises over the whole step: two groups [1, 0] and [1, 1] (not filtered) ->
+    # batch 1, 0, 1, 1: mean 0.75, sample std sqrt((3 * 0.0625 + 0.5625) / 3) = 0.5
+    from asyncrl.config.schema import LossConfig as Loss
+    from asyncrl.trainer.batch import build_samples
+    from asyncrl.types import Segment, Trajectory, TrajectoryGroup
+
+    def group(name, rewards):
+        return TrajectoryGroup(name, name, [Trajectory(name, name, [1, 2], [Segment.from_policy([3], [-1.0], 0)],
+                                                       reward=r) for r in rewards])
+
+    groups = [group("a", [1.0, 0.0]), group("b", [1.0, 1.0])]
+    samples = build_samples(groups, Loss(filter_uniform_groups=False), "reinforce_pp").samples
+    expect = [(r - 0.75) / (0.5 + 1e-4) for r in (1, 0, 1, 1)]
+    assert [s.advantage for s in samples] == pytest.approx(expect)
+    rloo = build_samples(groups, Loss(filter_uniform_groups=False), "rloo").samples
+    assert [s.advantage for s in rloo] == pytest.approx([1.0, -1.0, 0.0, 0.0])
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    # token 1: r = 0.6 / 0.4 = 1.5 > 1 + 0.28: w = 1.28 (a constant), loss -1.28 * A * logp, gradient -1.28 * A
+    # token 2: r = 0.2 / 0.4 = 0.5 (no lower bound): w = 0.5, gradient -0.5 * A = 0.5 for A = -1
+    out, grad = loss_of([log(0.6), log(0.2)], [log(0.4)] * 2, [2, -1], type="cispo")
+    assert out.loss.item() == pytest.approx(-1.28 * 2 * log(0.6) - 0.5 * -1 * log(0.2))
+    assert grad.tolist() == pytest.approx([-1.28 * 2, 0.5])  # grpo would give the clipped token none
+    assert out.sums["is_weight_truncated"] == 1
+
+
+def test_gspo_clips_one_ratio_per_sequence():
+    # sequence 0: tokens with log-ratios log 1.5 and log(2/3): mean 0, s = 1, inside the band
+    # sequence 1: one token, r = 0.5 / 0.4 = 1.25 > 1 + 4e-4 with A = 1: clipped, no gradient
+    logp, mu = [log(0.6), log(0.2), log(0.5)], [log(0.4), log(0.3), log(0.4)]
+    weights = [0.25, 0.25, 0.5]  # sequence aggregation: each sequence's tokens weigh 1/2 in total
+    out, grad = loss_of(logp, mu, [2, 2, 1], weights=weights, seq=[0, 0, 1], type="gspo", aggregation="sequence")
+    # loss = 1/2 * -(1 * 2) + 1/2 * -(1.0004 * 1)
+    assert out.loss.item() == pytest.approx(-1.0 - 0.5 * 1.0004)
+    # d/d logp_t of -(s A) * 1/2 with s = exp(mean log-ratio): -1/2 * A * s / len = -1/2 * 2 * 1 / 2
+    assert grad.tolist() == pytest.approx([-0.5, -0.5, 0.0])
+    assert (out.sums["clip_fraction"], out.sums["clip_high"]) == (1, 1)
+    with pytest.raises(ValueError, match="seq_index"):
+        loss_of(logp, mu, [1, 1, 1], type="gspo")
+
+
+def test_icepop_masks_the_tokens_whose_mismatch_leaves_the_band():
+    # prox / mu: 0.5 / 0.25 = 2 (kept), 0.9 / 0.1 = 9 > 5 (masked), 0.1 / 0.4 = 0.25 < 0.5 (masked)
+    # the kept token: u = 0.55 / 0.5 = 1.1, no behaviour weight: loss -1.1 * A, gradient -1.1
+    out, grad = loss_of([log(0.55), log(0.9), log(0.1)], [log(0.25), log(0.1), log(0.4)], [1, 1, 1],
+                        prox=[log(0.5), log(0.9), log(0.1)], type="icepop")
+    assert out.loss.item() == pytest.approx(-1.1) and grad.tolist() == pytest.approx([-1.1, 0.0, 0.0])
+    assert out.sums["icepop_masked"] == 2 and float(out.tokens) == 1
 
 
 def test_k3_kl_to_reference_and_entropy_bonus():

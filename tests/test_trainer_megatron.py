@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.actors import create_trainer
+from asyncrl.config.schema import LossConfig
 from asyncrl.run_config import load_config
 from tests.conftest import BASE_MODEL
 from tests.trainer_data import make_groups
@@ -118,11 +119,24 @@ def reference_loss_hf(model, samples) -> torch.Tensor:
     return total
 
 
+def reference_gspo_loss_hf(model, samples, lo: float, hi: float) -> torch.Tensor:
+    """GSPO written out per sequence on an HF model: the mean over sequences of the clipped
+    objective of s = exp(mean token log-ratio)."""
+    total = torch.zeros(())
+    for s in samples:
+        logp_all = torch.log_softmax(model(torch.tensor([s.tokens])).logits[0], -1)
+        log_r = [logp_all[s.prompt_len - 1 + j, token] - s.mu[j] for j, token in enumerate(s.tokens[s.prompt_len:])]
+        ratio = torch.exp(torch.stack(log_r).mean())
+        total = total - torch.minimum(ratio * s.advantage, ratio.clamp(1 - lo, 1 + hi) * s.advantage)
+    return total / len(samples)
+
+
 def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_model, tokenizer):
     """The whole path (packing, masks, logprob indexing, loss, megatron's backward) gives the
     gradient that the formula gives on the HF model, token by token: with micro-batches of 5
     samples; of at most 100 tokens (a token budget: 4 x 3 samples of 30-31 tokens, the same gradient); and with
-    the loss's fp32 logits taken 3 tokens at a time (chunks recomputed in backward)."""
+    the loss's fp32 logits taken 3 tokens at a time (chunks recomputed in backward). GSPO's
+    sequence ratio too, over sequences packed together (a band wide enough for both sides)."""
     from asyncrl.trainer.batch import assign_weights, build_samples
 
     groups = make_groups(tokenizer, n_groups=3, n=4, seed=7)
@@ -135,10 +149,12 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_mode
             t.segments[0].logprobs = [lp[n0 - 1 + j, x].item() - 0.1 * (j % 3) for j, x in
                                       enumerate(t.response_token_ids)]
     vocab = hf.config.vocab_size
-    grads = run_trainer(["trainer.micro_batch_size=5"], lambda group: [
+    gspo = LossConfig(type="gspo", aggregation="sequence", seq_clip_eps_low=0.02, seq_clip_eps_high=0.03)
+    *grads, gspo_grad = run_trainer(["trainer.micro_batch_size=5"], lambda group: [
         group.on_ranks(lambda r: r.embedding_grad.remote(groups)),
         group.on_ranks(lambda r: r.embedding_grad.remote(groups, max_tokens=100)),
-        group.on_ranks(lambda r: r.embedding_grad.remote(groups, logit_chunk=3 * vocab))])
+        group.on_ranks(lambda r: r.embedding_grad.remote(groups, logit_chunk=3 * vocab)),
+        group.on_ranks(lambda r: r.embedding_grad.remote(groups, loss=gspo))])
     samples = build_samples(groups, load_config([]).algorithm.loss).samples
     assign_weights(samples, "token")
     hf.zero_grad()
@@ -149,6 +165,12 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_mode
     for grad, _ in grads:
         assert grad.shape == ref.shape
         assert torch.allclose(grad, ref, atol=1e-5, rtol=1e-4), (grad - ref).abs().max()
+    assign_weights(samples, "sequence")
+    hf.zero_grad()
+    reference_gspo_loss_hf(hf, samples, 0.02, 0.03).backward()
+    ref = hf.model.embed_tokens.weight.grad
+    assert ref.norm() > 0.01
+    assert torch.allclose(gspo_grad[0], ref, atol=1e-5, rtol=1e-4), (gspo_grad[0] - ref).abs().max()
 
 
 def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the_adapters(ray_cluster, tokenizer,

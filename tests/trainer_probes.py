@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from asyncrl.config.schema import LossConfig
 from asyncrl.trainer.batch import build_samples
 from asyncrl.trainer.trainer_rank import TrainerRank
 
@@ -31,17 +32,19 @@ class ProbedTrainerRank(TrainerRank):
         logits = self._forward(self.model[0], row)
         return gather_from_tensor_model_parallel_region(logits).float().cpu().view(b, n, -1)
 
-    def embedding_grad(self, groups: list, max_tokens: int | None = None,
-                       logit_chunk: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    def embedding_grad(self, groups: list, max_tokens: int | None = None, logit_chunk: int | None = None,
+                       loss: LossConfig | None = None) -> tuple[torch.Tensor, list[int]]:
         """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:
         the whole loss path against a reference implementation (TP=1); and the number of samples
-        in each micro-batch. `max_tokens` / `logit_chunk`: another token budget per micro-batch /
-        fp32 logits held at once by the loss, for this call."""
+        in each micro-batch. `max_tokens` / `logit_chunk` / `loss`: another token budget per
+        micro-batch / fp32 logits held at once by the loss / loss settings, for this call."""
         if self.tp_size > 1 or self.dp_size > 1:
             raise NotImplementedError("embedding_grad is for single-rank checks")
         cfg, chunk = self.cfg, self.logit_chunk
         if max_tokens is not None:
             self.cfg = replace(cfg, trainer=replace(cfg.trainer, max_tokens_per_micro_batch=max_tokens))
+        if loss is not None:
+            self.cfg = replace(self.cfg, algorithm=replace(self.cfg.algorithm, loss=loss))
         self.logit_chunk = logit_chunk or chunk
         try:
             return self._embedding_grad(groups)

@@ -14,6 +14,14 @@ Loss types (`algorithm.loss.type`):
                    l = -w * min(u*A, clip(u, 1-eps_low, 1+eps_high)*A)
     tis            w = min(exp(logp - mu), C)   (a constant: truncated importance sampling)
                    l = -w * A * logp
+    cispo          w = min(exp(logp - mu), 1 + eps_high)   (a constant: CISPO, MiniMax-M1)
+                   l = -w * A * logp            (every token gets a gradient, clipped or not)
+    gspo           s_i = exp(mean over sequence i's trained tokens of (logp - mu))   (GSPO)
+                   l = -min(s_i*A, clip(s_i, 1-seq_eps_low, 1+seq_eps_high)*A) on each of
+                   sequence i's tokens: with sequence aggregation, the mean over sequences
+    icepop         decoupled_ppo's clipped objective without the behaviour weight, on the
+                   tokens whose exp(prox - mu) lies in [icepop_low, icepop_high]; the
+                   others are masked out (IcePop)
 Optional terms, added to l:
     k3 KL to a reference policy   kl_coef * (exp(ref - logp) - (ref - logp) - 1)
     entropy bonus                 -entropy_coef * H_t
@@ -32,6 +40,12 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncrl.config.schema import AGGREGATIONS, LOSS_TYPES, LossConfig
+
+# Losses that read the proximal policy's logprobs (recomputed by the trainer before a step's
+# first update when the step has several).
+NEEDS_PROX = ("decoupled_ppo", "icepop")
+# Losses whose objective is per sequence: their aggregation must be `sequence`.
+SEQUENCE_LEVEL = ("gspo",)
 
 
 @dataclass
@@ -68,8 +82,10 @@ def policy_loss(
     prox: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    seq_index: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The weighted loss of a set of tokens (1-D tensors of equal length) and its statistics."""
+    """The weighted loss of a set of tokens (1-D tensors of equal length) and its statistics.
+    `seq_index`: which sequence each token is of (gspo's sequence ratio)."""
     mask = mask.float()
     trained = mask > 0
     eps_lo, eps_hi, cap = settings.clip_eps_low, settings.clip_eps_high, settings.importance_cap
@@ -78,16 +94,33 @@ def policy_loss(
 
     if settings.type not in LOSS_TYPES:
         raise ValueError(f"loss type {settings.type!r}: valid are {LOSS_TYPES}")
-    if settings.type == "tis":
+    if settings.type in ("tis", "cispo"):
         ratio = torch.exp(logp.detach() - mu)
-        w = ratio.clamp(max=cap)
+        bound = cap if settings.type == "tis" else 1 + eps_hi
+        w = ratio.clamp(max=bound)
         per_token = -w * advantages * logp
-        sums["is_weight_truncated"] = ((ratio > cap) & trained).sum()
+        sums["is_weight_truncated"] = ((ratio > bound) & trained).sum()
         clipped = torch.zeros_like(trained)
+    elif settings.type == "gspo":
+        if seq_index is None:
+            raise ValueError("gspo needs each token's sequence (seq_index)")
+        n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+        log_r = (logp - mu) * mask
+        count = torch.zeros(n, device=logp.device).index_add_(0, seq_index, mask)
+        seq_log_r = torch.zeros(n, device=logp.device, dtype=log_r.dtype).index_add_(0, seq_index, log_r)
+        ratio = torch.exp(seq_log_r / count.clamp(min=1))[seq_index]
+        lo, hi = settings.seq_clip_eps_low, settings.seq_clip_eps_high
+        unclipped = ratio * advantages
+        clipped_obj = ratio.clamp(1 - lo, 1 + hi) * advantages
+        per_token = -torch.minimum(unclipped, clipped_obj)
+        clipped = (clipped_obj < unclipped) & trained
+        sums["clip_low"] = ((ratio < 1 - lo) & (advantages < 0) & trained).sum()
+        sums["clip_high"] = ((ratio > 1 + hi) & (advantages > 0) & trained).sum()
+        w = torch.ones_like(ratio)
     else:
         anchor = mu if settings.type == "grpo" else prox
         if anchor is None:
-            raise ValueError("decoupled_ppo needs the proximal logprobs (prox)")
+            raise ValueError(f"{settings.type} needs the proximal logprobs (prox)")
         ratio = torch.exp(logp - anchor)
         unclipped = ratio * advantages
         clipped_obj = ratio.clamp(1 - eps_lo, 1 + eps_hi) * advantages
@@ -101,6 +134,14 @@ def policy_loss(
             w = raw_w.clamp(max=cap)
             per_token = w * per_token
             sums["is_weight_truncated"] = ((raw_w > cap) & trained).sum()
+        elif settings.type == "icepop":
+            raw_w = torch.exp(prox - mu).detach()
+            kept = (raw_w >= settings.icepop_low) & (raw_w <= settings.icepop_high)
+            sums["icepop_masked"] = (~kept & trained).sum()
+            mask = mask * kept  # masked tokens: no gradient, and out of every statistic below
+            trained = mask > 0
+            clipped = clipped & trained
+            w = torch.ones_like(ratio)
         else:
             w = torch.ones_like(ratio)
     sums["clip_fraction"] = clipped.sum()

@@ -20,7 +20,8 @@ TRAINER_BACKENDS = ("megatron", "sim")  # sim: asyncrl/trainer/sim_trainer.py
 DEVICES = ("cpu", "cuda")
 DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
-LOSS_TYPES = ("grpo", "decoupled_ppo", "tis")
+LOSS_TYPES = ("grpo", "decoupled_ppo", "tis", "gspo", "cispo", "icepop")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
 PAUSE_MODES = ("abort", "keep", "none")  # none: trainer.lora only, adapters switched without a pause
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names
 MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -304,11 +305,20 @@ class TrainerConfig:
 @dataclass
 class LossConfig:
     # grpo: PPO-clip against the behaviour logprobs; decoupled_ppo: against recomputed
-    # proximal logprobs with a truncated behaviour weight; tis: truncated IS REINFORCE.
+    # proximal logprobs with a truncated behaviour weight; tis: truncated IS REINFORCE; gspo:
+    # PPO-clip of a sequence-level ratio; cispo: REINFORCE with a clipped, stop-gradient IS
+    # weight on every token; icepop: decoupled PPO with the mismatched tokens masked out
+    # (asyncrl/algorithm/losses.py has the formulas).
     type: str = "grpo"
     clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
+    clip_eps_high: float = 0.28  # also cispo's IS weight bound: min(pi / mu, 1 + clip_eps_high)
     importance_cap: float = 5.0  # C: truncation of pi_prox / mu (decoupled_ppo, tis)
+    # gspo's clip of the sequence ratio: the GSPO paper's 3e-4 below, 4e-4 above
+    seq_clip_eps_low: float = 3e-4
+    seq_clip_eps_high: float = 4e-4
+    # icepop: tokens whose pi_prox / mu leaves [icepop_low, icepop_high] get no gradient (the paper's band)
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
     kl_coef: float = 0.0  # k3 KL to the reference policy; 0 disables the reference model
     entropy_coef: float = 0.0
     aggregation: str = "token"  # token | sequence
@@ -338,6 +348,9 @@ class AlgorithmConfig:
     # (docs/moe.md). none: the trainer's router decides. The engines return the routes of an MoE
     # model's tokens either way (the trainer reports how often its router agrees).
     routing_replay: str = "none"
+    # grpo: (r - group mean) / group std (loss.normalize_adv_std); rloo: r minus the mean of the
+    # group's other rewards; reinforce_pp: (r - batch mean) / batch std over the step's samples
+    advantage: str = "grpo"
     loss: LossConfig = field(default_factory=LossConfig)
 
 

@@ -21,6 +21,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import (
+    ADVANTAGES,
     AGGREGATIONS,
     DATA_FORMATS,
     DATA_SOURCES,
@@ -301,6 +302,14 @@ def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, wit
     at_least("algorithm.loss.kl_coef", loss.kl_coef, 0)
     at_least("algorithm.loss.entropy_coef", loss.entropy_coef, 0)
     one_of("algorithm.loss.aggregation", loss.aggregation, AGGREGATIONS)
+    one_of("algorithm.advantage", a.advantage, ADVANTAGES)
+    if loss.type == "gspo":  # its objective is a sequence's: a token mean would weight it by length
+        need(loss.aggregation == "sequence", "algorithm.loss.aggregation", loss.aggregation,
+             "gspo's ratio and objective are per sequence: needs algorithm.loss.aggregation=sequence")
+    need(0 <= loss.seq_clip_eps_low < 1, "algorithm.loss.seq_clip_eps_low", loss.seq_clip_eps_low, "must be in [0, 1)")
+    at_least("algorithm.loss.seq_clip_eps_high", loss.seq_clip_eps_high, 0)
+    need(0 < loss.icepop_low <= 1 <= loss.icepop_high, "algorithm.loss.icepop_low", loss.icepop_low,
+         f"must be in (0, 1], with algorithm.loss.icepop_high={loss.icepop_high} >= 1 (the band holds ratio 1)")
 
 
 def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, within) -> None:

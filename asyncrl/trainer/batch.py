@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.algorithm.advantages import group_advantages, is_uniform
+from asyncrl.algorithm.advantages import EPS, group_advantages, is_uniform, rloo_advantages
 from asyncrl.algorithm.losses import aggregation_weights
 from asyncrl.config.schema import LossConfig
 from asyncrl.types import TrajectoryGroup, TrajectoryStatus
@@ -65,12 +65,17 @@ def group_filter_reason(group: TrajectoryGroup, loss: LossConfig) -> str | None:
     return None
 
 
-def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
+def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: str = "grpo") -> StepBatch:
+    """The step's training samples, each with its advantage (`advantage`: algorithm.advantage)."""
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
              "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
     rewards_all: list[float] = []
+    trained = [g for g in groups if group_filter_reason(g, loss) is None]
+    # REINFORCE++ normalises over every sample the step trains on
+    batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
+    batch_mean, batch_std = _mean_std(batch)
     for group in groups:
         usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
         stats["trajectories"] += len(group.trajectories)
@@ -82,7 +87,13 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
         if reason is not None:
             stats["groups_empty" if reason == "no_usable" else "groups_filtered_uniform"] += 1
             continue
-        for traj, adv in zip(usable, group_advantages(rewards, loss.normalize_adv_std)):
+        if advantage == "rloo":
+            advantages = rloo_advantages(rewards)
+        elif advantage == "reinforce_pp":
+            advantages = [(r - batch_mean) / (batch_std + EPS) for r in rewards]
+        else:
+            advantages = group_advantages(rewards, loss.normalize_adv_std)
+        for traj, adv in zip(usable, advantages):
             mask = traj.loss_mask
             if not traj.segments or not any(mask):
                 continue
@@ -101,6 +112,15 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig) -> StepBatch:
     stats["samples"] = len(samples)
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
     return StepBatch(samples, stats)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1), as group_advantages computes them."""
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, var ** 0.5
 
 
 def assign_weights(samples: list[TrainSample], aggregation: str) -> None:
@@ -160,6 +180,7 @@ class PackedBatch:
     advantages: torch.Tensor  # [N]
     weights: torch.Tensor  # [N]
     versions: torch.Tensor  # [N]
+    seq_index: torch.Tensor  # [N] which sample of the micro-batch each token is of (sequence-level losses)
     # Filled by the trainer before the update when the loss needs them: [N] logprobs.
     prox: torch.Tensor | None = None
     ref: torch.Tensor | None = None
@@ -195,8 +216,8 @@ def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
     splits the row across tensor-parallel ranks): a tail of pad tokens, a sequence of its own
     that no real token attends to and no loss reads."""
     ids, pos, cu = [], [], [0]
-    logit_index, targets, mu, mask, adv, weights, versions = [], [], [], [], [], [], []
-    for s in samples:
+    logit_index, targets, mu, mask, adv, weights, versions, seq_index = [], [], [], [], [], [], [], []
+    for i, s in enumerate(samples):
         start = len(ids)
         ids += s.tokens
         pos += range(len(s.tokens))
@@ -209,6 +230,7 @@ def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
         adv += [s.advantage] * s.num_response
         weights += s.weights
         versions += s.versions
+        seq_index += [i] * s.num_response
     pad = -len(ids) % multiple
     if pad:
         ids += [0] * pad
@@ -222,7 +244,7 @@ def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
         logit_index=torch.tensor(logit_index), targets=torch.tensor(targets),
         mu=torch.tensor(mu, dtype=torch.float32), mask=torch.tensor(mask, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32), weights=torch.tensor(weights, dtype=torch.float32),
-        versions=torch.tensor(versions), routes=routes, routes_valid=routes_valid)
+        versions=torch.tensor(versions), seq_index=torch.tensor(seq_index), routes=routes, routes_valid=routes_valid)
 
 
 def _pack_routes(samples: list[TrainSample], length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

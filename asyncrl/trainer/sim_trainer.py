@@ -19,6 +19,7 @@ import collections
 import json
 from pathlib import Path
 
+from asyncrl.algorithm.losses import NEEDS_PROX
 from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
@@ -28,10 +29,10 @@ from asyncrl.types import staleness
 
 
 def forward_passes(cfg: Config) -> int:
-    """Forward-only passes a step adds per token: the proximal policy's (decoupled_ppo with
-    several updates per step) and the reference's (kl_coef > 0)."""
+    """Forward-only passes a step adds per token: the proximal policy's (decoupled_ppo or icepop
+    with several updates per step) and the reference's (kl_coef > 0)."""
     lc = cfg.algorithm.loss
-    return int(lc.type == "decoupled_ppo" and cfg.trainer.mini_batches_per_step > 1) + int(lc.kl_coef > 0)
+    return int(lc.type in NEEDS_PROX and cfg.trainer.mini_batches_per_step > 1) + int(lc.kl_coef > 0)
 
 
 def staleness_metrics(samples: list[TrainSample], policy_version: int, max_staleness: int) -> dict[str, float]:
@@ -72,7 +73,7 @@ class SimTrainerRank:
 
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         t0 = self.clock.now()
-        batch = build_samples(groups, self.cfg.algorithm.loss)
+        batch = build_samples(groups, self.cfg.algorithm.loss, self.cfg.algorithm.advantage)
         prompt, block = self.cfg.engine.sim.prompt_tokens, self.cfg.engine.sim.token_block
         tokens = sum((prompt or s.prompt_len) + s.num_response * block for s in batch.samples)
         trained = sum(sum(s.mask) for s in batch.samples)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithm.losses import LossOutput, policy_loss
+from asyncrl.algorithm.losses import NEEDS_PROX, LossOutput, policy_loss
 from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
@@ -228,7 +228,7 @@ class TrainerRank:
         """One trainer step on these trajectory groups (every rank gets the same list)."""
         t0, cpu0 = time.monotonic(), time.process_time()
         lc = self.cfg.algorithm.loss
-        step = build_samples(groups, lc)
+        step = build_samples(groups, lc, self.cfg.algorithm.advantage)
         # floats, or 0-d tensors on the device (the loss's statistics), read once at the end of the step
         stats: dict[str, float | torch.Tensor] = {}
         maxima: dict[str, float | torch.Tensor] = {}
@@ -241,7 +241,7 @@ class TrainerRank:
             self.router_stats.reset()
         # pi_prox is the policy before this step's first update. With one update the forward
         # pass that computes pi_theta gives it; with several it is computed up front.
-        need_prox = lc.type == "decoupled_ppo" and len(updates) > 1
+        need_prox = lc.type in NEEDS_PROX and len(updates) > 1
         for batches in updates:
             for b in batches:
                 b.prox = self._logprobs(self.model, b) if need_prox else None
@@ -405,7 +405,7 @@ class TrainerRank:
         prox = batch.prox.to(self.device) if batch.prox is not None else logp.detach()
         ref = batch.ref.to(self.device) if batch.ref is not None else None
         out = policy_loss(logp, batch.mu, batch.advantages, batch.mask, batch.weights, self.cfg.algorithm.loss,
-                          prox=prox, ref_logp=ref, entropy=entropy)
+                          prox=prox, ref_logp=ref, entropy=entropy, seq_index=batch.seq_index)
         # Our weights already average over the whole mini-batch of all data-parallel ranks;
         # megatron divides each micro-batch loss by their number and DDP averages over ranks.
         return out.loss * num_micro * self.dp_size, out
@@ -414,7 +414,7 @@ class TrainerRank:
                         loss: float) -> dict[str, float]:
         """Sum/max over all ranks (TP ranks hold copies: divided out) into means per trained token."""
         names = sorted(set(sums) | {"clip_fraction", "clip_low", "clip_high", "ratio", "is_weight", "staleness",
-                                    "is_weight_truncated", "entropy", "mismatch_kl", "kl_ref"})
+                                    "is_weight_truncated", "entropy", "mismatch_kl", "kl_ref", "icepop_masked"})
         # on the rank's device: NCCL reduces CUDA tensors only
         vec = torch.tensor([sums.get(n, 0.0) for n in names] + [loss, float(tokens)], dtype=torch.float64,
                            device=self.device)
