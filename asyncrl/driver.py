@@ -39,7 +39,7 @@ from asyncrl.control.elastic import Elastic
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.periodic_eval import PeriodicEvaluation
 from asyncrl.control.prompts import Prompts
-from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, take_snapshots
+from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, drop_untrainable, take_snapshots
 from asyncrl.control.step_metrics import (
     Clocks,
     batch_metrics,
@@ -54,6 +54,7 @@ from asyncrl.control.worker_pool import WorkerPool, kill
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.messages import Admitted, FaultEvent, QueueStats, error_line
 from asyncrl.monitoring.run_log import RunLog, eval_overlap
+from asyncrl.rollout.trust import model_limits
 from asyncrl.sync.weight_sync import EnginesFailed
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused
 from asyncrl.trainer.trainer_group import TrainerRankDied
@@ -323,6 +324,8 @@ class Driver:
         self.agents.restore(state.problem_stream)
         self.base_eval = state.base_eval
         self.prompts.trained = list(state.trained_prompts)
+        if self.cfg.trainer.backend == "megatron":  # (a simulated run's tokens are no model's)
+            drop_untrainable(saved.queue, model_limits(self.cfg.model.path))
         ray.get(self.queue.restore.remote(saved.queue))
         self.prompts.ledger = ledger = saved.ledger
         # The engines get the restored weights (a policy lag starts again from them).

@@ -149,8 +149,9 @@ def check_broadcast_one_rank(rank, backend: str) -> dict[str, Any]:
     import torch
 
     from asyncrl.sync.collective import CupyNcclGroup, bucket_checksums
+    from asyncrl.sync.group_store import new_group_secret
 
-    rank.init_weight_group("127.0.0.1", free_port(), 1, backend)
+    rank.init_weight_group("127.0.0.1", free_port(), 1, backend, new_group_secret())
     group = rank._weight_group
     staged = rank.stage_weights(version=1)
     buffers = list(rank._staged)  # broadcast_weights lets go of them
@@ -188,7 +189,7 @@ def two_gpu_member(rank: int, port: int, specs: list, result_path: str) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     plan = BucketPlan.build(specs, bucket_bytes=1 << 20, alone_bytes=1 << 19)
-    group = create_group("127.0.0.1", port, rank, 2, "cupy", timeout_s=120)
+    group = create_group("127.0.0.1", port, rank, 2, "cupy", os.environ[GROUP_SECRET_ENV], timeout_s=120)
     sums: dict[str, int] = {}
     if rank == 0:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -203,12 +204,18 @@ def two_gpu_member(rank: int, port: int, specs: list, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(sums))
 
 
+GROUP_SECRET_ENV = "ASYNCRL_GPU_CHECK_GROUP_SECRET"
+
+
 def check_broadcast_two_gpus() -> dict[str, Any]:
     specs = [(f"t{i}", "float32", [257, 129 + i]) for i in range(12)] + [("big", "float32", [1024, 1024])]
+    from asyncrl.sync.group_store import new_group_secret
+
     port = free_port()
+    env = {**os.environ, GROUP_SECRET_ENV: new_group_secret()}  # the group's secret, not on a command line
     with tempfile.TemporaryDirectory() as d:
         procs = [subprocess.Popen([sys.executable, __file__, "--two-gpu-member", str(r), str(port), f"{d}/{r}.json",
-                                   json.dumps(specs)]) for r in (0, 1)]
+                                   json.dumps(specs)], env=env) for r in (0, 1)]
         codes = [p.wait(timeout=STEP_TIMEOUT_S) for p in procs]
         if any(codes):
             return {"ok": False, "ranks": 2, "exit_codes": codes}

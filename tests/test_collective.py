@@ -1,5 +1,6 @@
-"""The weight broadcast's bucket plan and checksum (no processes: the broadcast itself is
-tested end to end in test_weight_sync.py)."""
+"""The weight broadcast's bucket plan and checksum, and the seal of its group's store (no
+processes: the broadcast itself is tested end to end in test_weight_sync.py, attacks on the
+store in test_security_servers.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ from asyncrl.sync.collective import (
     pack_buckets,
     range_sums_numpy,
     range_sums_running,
+)
+from asyncrl.sync.group_store import (
+    LOOPBACK,
+    NAME_PREFIX,
+    GroupSeal,
+    StoreTampered,
+    bind_store_socket,
+    new_group_secret,
+    store_host,
 )
 
 
@@ -140,7 +150,7 @@ def test_the_backend_is_gloo_on_cpu_and_cupy_on_gpus():
     with pytest.raises(ValueError, match="no weight-broadcast backend for device 'tpu'"):
         broadcast_backend("tpu")
     with pytest.raises(ValueError, match="weight-broadcast backend 'mpi': one of gloo, nccl, cupy"):
-        create_group("127.0.0.1", 1, 0, 1, "mpi")
+        create_group("127.0.0.1", 1, 0, 1, "mpi", new_group_secret())
 
 
 def test_the_nccl_unique_id_round_trips_through_the_store_as_bytes():
@@ -154,7 +164,7 @@ def test_the_nccl_unique_id_round_trips_through_the_store_as_bytes():
 def test_without_cupy_the_gpu_broadcast_says_what_to_install_in_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # not importable, as on this CPU machine
     with pytest.raises(BackendUnavailable) as info:
-        create_group("127.0.0.1", 1, 0, 1, "cupy")
+        create_group("127.0.0.1", 1, 0, 1, "cupy", new_group_secret())
     assert "\n" not in str(info.value) and "install the cupy wheel of your CUDA" in str(info.value)
 
 
@@ -170,3 +180,42 @@ def test_with_cupy_but_no_cuda_device_the_gpu_broadcast_says_so_in_one_line(monk
     with pytest.raises(BackendUnavailable, match="needs a CUDA device, and this process sees none") as info:
         cupy_nccl()
     assert "\n" not in str(info.value)
+
+
+# -- the group store's seal and binding (group_store.py) ---------------------------------------
+
+def test_a_sealed_value_opens_only_with_its_secret_and_its_key():
+    seal, other = GroupSeal(new_group_secret()), GroupSeal(new_group_secret())
+    uid = bytes(range(128))
+    sealed = seal.seal("nccl_unique_id", uid)
+    assert seal.open("nccl_unique_id", sealed) == uid
+    assert uid not in sealed and sealed != seal.seal("nccl_unique_id", uid)  # encrypted, a fresh nonce each time
+    assert seal.open("empty", seal.seal("empty", b"")) == b""
+    flipped = bytearray(sealed)
+    flipped[20] ^= 1
+    for key, value in [("nccl_unique_id", bytes(flipped)), ("nccl_unique_id", other.seal("nccl_unique_id", uid)),
+                       ("0/1", sealed), ("nccl_unique_id", uid), ("nccl_unique_id", b"")]:
+        with pytest.raises(StoreTampered, match=f"value for {key!r} does not carry this group's seal") as info:
+            seal.open(key, value)
+        assert "\n" not in str(info.value)
+
+
+def test_key_names_are_secret_and_per_group():
+    seal = GroupSeal(new_group_secret())
+    name = seal.name("nccl_unique_id")
+    assert name == seal.name("nccl_unique_id") and re.fullmatch(re.escape(NAME_PREFIX) + "[0-9a-f]{32}", name)
+    assert name != seal.name("weight_group/0/0") and name != GroupSeal(new_group_secret()).name("nccl_unique_id")
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        GroupSeal("guessable")
+
+
+def test_the_store_binds_loopback_for_a_local_group_and_never_every_interface():
+    assert store_host("10.0.0.5", "node-a", ["node-a", "node-a"]) == LOOPBACK
+    assert store_host("10.0.0.5", "node-a", []) == LOOPBACK  # rank 0 alone
+    assert store_host("10.0.0.5", "node-a", ["node-a", "node-b"]) == "10.0.0.5"
+    for everywhere in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="binds to one address"):
+            bind_store_socket(everywhere)
+    with bind_store_socket(LOOPBACK) as sock, bind_store_socket("localhost") as by_name:
+        assert sock.getsockname()[0] == LOOPBACK and sock.getsockname()[1] > 0
+        assert by_name.getsockname()[0] in (LOOPBACK, "::1")

@@ -12,8 +12,9 @@ from tests.conftest import REPO
 # Plain data, typed messages, config, RL math, the inference protocol and request channel,
 # the collective helpers, metrics and logging, the task data, user reward functions.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
-          "asyncrl.sync.collective", "asyncrl.metrics", "asyncrl.monitoring", "asyncrl.cpu_cores", "asyncrl.tasks",
-          "asyncrl.recipe_hooks", "asyncrl.reward_function", "asyncrl.clock", "asyncrl.lognormal")
+          "asyncrl.sync.collective", "asyncrl.sync.group_store", "asyncrl.metrics", "asyncrl.monitoring",
+          "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.recipe_hooks", "asyncrl.reward_function", "asyncrl.clock",
+          "asyncrl.lognormal")
 AGENT_LOOPS = ("agent_loops",)
 # Each actor's folder, and what (besides the bottom) it may use. Agents and agent loops are
 # libraries the rollout workers run, not actors of their own.

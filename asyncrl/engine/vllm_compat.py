@@ -37,7 +37,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("vllm.v1.worker.gpu_worker", "Worker.reload_weights"),
     # Called by asyncrl.sync.collective.create_group, not from here: the trainer joins the
     # weight-broadcast group too, and only the bottom layer is shared by trainer and engine.
-    ("vllm.distributed.utils", "stateless_init_torch_distributed_process_group"),
+    ("vllm.distributed.utils", "init_gloo_process_group"),
+    ("vllm.platforms.interface", "Platform.stateless_init_device_torch_dist_pg"),
     ("vllm.model_executor.layers.linear", "UnquantizedLinearMethod"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"),
     ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase.process_weights_after_loading"),

@@ -41,11 +41,11 @@ class WeightLoaderExtension:
         self._asyncrl_load(safetensors.torch.load(safetensors_blob).items())
 
     def asyncrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                  backend: str, plan_wire: list, timeout_s: float) -> int:
-        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank`, and
-        keep its bucket plan (every broadcast follows it)."""
+                                  backend: str, secret: str, plan_wire: list, timeout_s: float) -> int:
+        """Join the trainer's broadcast group as rank `rank_offset + this worker's rank` (`secret`:
+        the group's), and keep its bucket plan (every broadcast follows it)."""
         rank = rank_offset + vllm_compat.worker_rank(self)
-        self._asyncrl_group = create_group(host, port, rank, world_size, backend, timeout_s)
+        self._asyncrl_group = create_group(host, port, rank, world_size, backend, secret, timeout_s)
         self._asyncrl_bucket_plan = BucketPlan.from_wire(plan_wire)
         return rank
 

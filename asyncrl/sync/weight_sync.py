@@ -2,10 +2,12 @@
 
 `WeightSync.connect()` forms the broadcast group once (trainer rank 0 + every vLLM
 worker of every engine; see collective.py) after each engine has checked the
-trainer's bucket plan against its model. `WeightSync.sync(version)` then has the trainer
-export and pack its weights while the engines still generate, has every engine pause,
-receive the broadcast, load it and resume (one call each), times each phase, and checks
-that every engine received exactly the bytes the trainer sent (per-tensor checksums).
+trainer's bucket plan against its model; each formation gets a fresh secret, handed to
+every member through Ray, which the group's store seals its keys with (group_store.py).
+`WeightSync.sync(version)` then has the trainer export and pack its weights while the
+engines still generate, has every engine pause, receive the broadcast, load it and resume
+(one call each), times each phase, and checks that every engine received exactly the bytes
+the trainer sent (per-tensor checksums).
 
 An engine that fails during the exchange fails the sync with `EnginesFailed`, which names it
 and the engines still waiting for bytes after SYNC_FAILURE_GRACE_S: a collective whose member
@@ -23,6 +25,7 @@ import ray
 from asyncrl.clock import Clock
 from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
 from asyncrl.sync.collective import BucketPlan
+from asyncrl.sync.group_store import new_group_secret
 
 logger = logging.getLogger(__name__)
 
@@ -50,27 +53,31 @@ class WeightSync:
         self.connected = False
         self.plan: BucketPlan | None = None  # the trainer's, once connected
         self.world_size = 0
+        self.store_address: tuple[str, int] | None = None  # (host, port) of the group's store, once connected
         self.clock = clock or Clock()  # the timings' (simulated seconds with simulated backends)
 
     def connect(self) -> float:
         """Form the broadcast group (trainer rank 0 + every vLLM worker); returns seconds taken."""
         t0 = time.monotonic()
-        host, port = self.trainer.address()
         workers = ray.get([e.num_workers.remote() for e in self.engines])
+        nodes = ray.get([e.node_id.remote() for e in self.engines])
+        # Trainer rank 0 binds the store now (loopback if every engine is on its node) and holds it.
+        host, port = self.trainer.weight_group_address(nodes)
+        secret = new_group_secret()  # this formation's: a member of an earlier one cannot join or read it
         self.world_size = 1 + sum(workers)
         plan = self.trainer.weight_plan()
         self.plan = BucketPlan.from_wire(plan)
         adapter = self.trainer.adapter_config()  # trainer.lora: the syncs carry an adapter
         # Every member must be joining at once: the trainer's store waits for all of them.
-        refs = self.trainer.init_weight_group_async(host, port, self.world_size, self.backend)
+        refs = self.trainer.init_weight_group_async(host, port, self.world_size, self.backend, secret)
         offset = 1
         for engine, n in zip(self.engines, workers):
-            refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, plan,
-                                                        self.timeout_s, adapter))
+            refs.append(engine.init_weight_group.remote(host, port, offset, self.world_size, self.backend, secret,
+                                                        plan, self.timeout_s, adapter))
             offset += n
         self.trainer.get(refs[:len(self.trainer.ranks)])
         ray.get(refs[len(self.trainer.ranks):])
-        self.connected = True
+        self.connected, self.store_address = True, (host, port)
         seconds = time.monotonic() - t0
         logger.info("weight-sync group ready: %d members, %.1fs", self.world_size, seconds)
         return seconds

@@ -78,6 +78,15 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "fs_reader = _get_filesystem_reader(checkpoint_dir)"),
     ("megatron.core.dist_checkpointing.strategies.torch", "TorchDistLoadShardedStrategy.load_tensors_metadata",
      "fs_reader = _get_filesystem_reader(checkpoint_dir)"),
+    # safe_dist_checkpoint.SafeFileSystemReader.read_data stands in for torch DCP's (torch 2.13): each
+    # item is the bytes at its private _StorageInfo's offset and length, given to the planner's
+    # load_bytes or torch.load'ed, narrowed and committed.
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "offset: int"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "length: int"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_data", "planner.load_bytes(req, read_bytes)"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_data", "narrow_tensor_by_index("),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_data",
+     "planner.commit_tensor(req, target_tensor)"),
 ]
 
 _applied = False

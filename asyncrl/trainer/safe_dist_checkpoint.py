@@ -1,17 +1,22 @@
-"""megatron-core's distributed checkpoint, loaded without a general unpickler.
+"""megatron-core's distributed checkpoint, loaded without a general unpickler and without
+allocating more than its files hold.
 
 `dist_checkpointing.load` (megatron-core 0.16.1, torch 2.13) reads, from the checkpoint dir:
 
-- `metadata.json`: json; it names the load strategies, which are fixed here instead;
+- `metadata.json`: json; it names the load strategies, which are fixed here instead. Megatron
+  opens it itself: here it is checked first to be a regular file of at most 1 MiB;
 - `common.pt`: megatron's `torch.load` without `weights_only` (weights-only by torch's default,
   a full unpickler with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1). Here: `load_weights_only`;
 - `.metadata`: torch's FileSystemReader.read_metadata, `pickle.load`, a full unpickler.
-  Here: `RestrictedUnpickler`, and every storage file must lie in the directory;
+  Here: `read_dcp_metadata` (`RestrictedUnpickler`, every storage file in the directory), and
+  every byte range it declares must lie in its shard (`check_dcp_storage`);
 - tensor items of the `__R_N.distcp` shards: `torch.load(weights_only=True)`, kept;
 - byte items of the shards (megatron's ShardedObjects, e.g. a layer's `_extra_state`):
   torch's DefaultLoadPlanner.load_bytes, `torch.load(weights_only=False)`. Here: forced
   weights-only (`forced_weights_only`).
 
+Every file is opened as a regular file (`open_checkpoint_file`: no symbolic link, device or
+FIFO) and every torch.save archive checked by `check_torch_zip` before torch.load reads it.
 `SafeFileSystemReader` does the last three: megatron's torch_dist strategy builds its reader
 through a private function, replaced while `load_dist_checkpoint` runs (megatron_cpu.py,
 `dist_checkpoint_reader`). Imports megatron-core: import this module where megatron is needed.
@@ -19,35 +24,44 @@ through a private function, replaced while `load_dist_checkpoint` runs (megatron
 
 from __future__ import annotations
 
-import dataclasses
+import io
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonLoadStrategy
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from asyncrl.trainer.megatron_cpu import dist_checkpoint_reader
 from asyncrl.trainer.safe_checkpoint import (
+    STATE_JSON_MAX_BYTES,
     CheckpointRefused,
+    FileRange,
+    check_dcp_storage,
+    check_torch_zip,
     forced_weights_only,
     load_weights_only,
+    open_checkpoint_file,
+    read_checkpoint_bytes,
     read_dcp_metadata,
     refused_pickle,
 )
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch DCP's FileSystemReader, except: `.metadata` is read once with `RestrictedUnpickler`
-    (and cached, as megatron's CachedMetadataFileSystemReader does), and every item of the
-    `.distcp` files loads with the weights-only unpickler, file by file, so a refusal names it."""
+    """torch DCP's FileSystemReader, except: `.metadata` is read once with `read_dcp_metadata`
+    (and cached, as megatron's CachedMetadataFileSystemReader does), and `read_data` is asyncrl's:
+    each shard opened as a regular file, every byte range of it checked against its size before
+    any is read, and every item loaded as a checked torch.save archive with the weights-only
+    unpickler, file by file, so a refusal names it."""
 
     def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None):
         super().__init__(path)
@@ -64,18 +78,44 @@ class SafeFileSystemReader(FileSystemReader):
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_file: dict[str, list] = {}
+        """What torch's FileSystemReader.read_data does for the items torch_dist writes (plain
+        bytes, no stream transform: `read_dcp_metadata` refuses those), on checked files."""
+        by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
-            try:
-                with forced_weights_only():  # byte items: torch's load_bytes asks for weights_only=False
-                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except pickle.UnpicklingError as e:
-                raise refused_pickle(Path(self.path) / name, e) from None
+            path = Path(self.path) / name
+            with open_checkpoint_file(path) as f:
+                # Every range against this file's size (FileRange refuses one past it), then the reads.
+                parts = [FileRange(f, path, info.offset, info.length)
+                         for info in (self.storage_data[item.storage_index] for item in items)]
+                for item, part in zip(items, parts):
+                    _read_item(item, part, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _read_item(item: ReadItem, part: FileRange, planner: LoadPlanner) -> None:
+    """One item of a shard into the planner's state dict, as torch's read_data loads it."""
+    if item.type == LoadItemType.BYTE_IO:
+        check_torch_zip(part)
+        try:
+            with forced_weights_only():  # torch's load_bytes asks for weights_only=False
+                planner.load_bytes(item, io.BytesIO(part.read()))
+        except pickle.UnpicklingError as e:
+            raise refused_pickle(part.source, e) from None
+        return
+    tensor = load_weights_only(part)
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        if length < tensor.size(dim):  # the part of the saved chunk this rank reads
+            tensor = tensor.narrow(dim, start, length)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise ValueError(f"{part.source}: {item.storage_index.fqn} holds {tuple(tensor.size())} here, "
+                         f"the model reads {tuple(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
 
 
 class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
@@ -87,10 +127,22 @@ class WeightsOnlyCommonLoadStrategy(TorchCommonLoadStrategy):
         return load_weights_only(Path(checkpoint_dir) / COMMON_STATE_FNAME)
 
 
+def check_megatron_metadata(ckpt_dir: str | os.PathLike) -> None:
+    """megatron's `metadata.json`, which megatron opens and parses itself, is a regular file of at
+    most `STATE_JSON_MAX_BYTES` (a missing one is megatron's to report)."""
+    path = Path(ckpt_dir) / CONFIG_FNAME
+    if os.path.lexists(path):
+        read_checkpoint_bytes(path, STATE_JSON_MAX_BYTES)
+
+
 def load_dist_checkpoint(sharded_state_dict: dict[str, Any], ckpt_dir: str) -> dict[str, Any]:
     """`dist_checkpointing.load(sharded_state_dict, ckpt_dir)`, with no general unpickler on the
-    way: raises `CheckpointRefused` (one line) for a file that holds anything but data."""
-    metadata = read_dcp_metadata(Path(ckpt_dir) / ".metadata")  # refused here, before torch DCP wraps errors
+    way: raises `CheckpointRefused` (one line) for a file that holds anything but data, is not a
+    regular file, or declares more bytes than it holds."""
+    # Refused here, before megatron reads anything and torch DCP wraps errors.
+    check_megatron_metadata(ckpt_dir)
+    metadata = read_dcp_metadata(Path(ckpt_dir) / ".metadata")
+    check_dcp_storage(metadata, ckpt_dir)
 
     def make_reader(checkpoint_dir: str | os.PathLike, cache_metadata: bool = False) -> SafeFileSystemReader:
         same = Path(checkpoint_dir).resolve() == Path(ckpt_dir).resolve()

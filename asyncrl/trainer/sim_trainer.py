@@ -93,7 +93,10 @@ class SimTrainerRank:
     def weight_plan(self) -> list:
         return []
 
-    def init_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def weight_group_address(self, member_nodes: list[str]) -> tuple[str, int]:
+        return "127.0.0.1", 0  # no group: nothing is bound
+
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str, secret: str) -> None:
         pass
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:

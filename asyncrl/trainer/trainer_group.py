@@ -73,9 +73,10 @@ class TrainerGroup:
 
     # -- weights out ---------------------------------------------------------------------
 
-    def address(self) -> tuple[str, int]:
-        """Where rank 0 can host a process group (the weight-broadcast group)."""
-        return self.get([self.ranks[0].address.remote()])[0]
+    def weight_group_address(self, member_nodes: list[str]) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-broadcast group's store, bound already: loopback when
+        every other member is on its node (`member_nodes`: their Ray node ids)."""
+        return self.get([self.ranks[0].weight_group_address.remote(member_nodes)])[0]
 
     def check_alive(self) -> None:
         """Raises `TrainerRankDied` if a rank's process is gone."""
@@ -89,8 +90,9 @@ class TrainerGroup:
         """PEFT's adapter_config of what the syncs send (trainer.lora), or None: whole weights."""
         return self.on_ranks(lambda r: r.adapter_config.remote())
 
-    def init_weight_group_async(self, host: str, port: int, world_size: int, backend: str) -> list[ray.ObjectRef]:
-        return [r.init_weight_group.remote(host, port, world_size, backend) for r in self.ranks]
+    def init_weight_group_async(self, host: str, port: int, world_size: int, backend: str,
+                                secret: str) -> list[ray.ObjectRef]:
+        return [r.init_weight_group.remote(host, port, world_size, backend, secret) for r in self.ranks]
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         return self.on_ranks(lambda r: r.stage_weights.remote(version, newest))

@@ -50,6 +50,7 @@ from asyncrl.sync.collective import (
     pack_buckets,
     send_buckets,
 )
+from asyncrl.sync.group_store import bind_store_socket, store_host
 from asyncrl.trainer import lora, mbridge_compat, moe_routing
 from asyncrl.trainer.batch import (
     PackedBatch,
@@ -90,6 +91,7 @@ class TrainerRank:
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
         self._weight_group = None
+        self._store_socket: socket.socket | None = None  # rank 0: the weight group's, bound ahead of its store
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
         # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
         # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
@@ -453,11 +455,26 @@ class TrainerRank:
     def adapter_config(self) -> dict | None:
         return lora.peft_config(self.lora, self.cfg.model.path) if self.lora else None
 
-    def init_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def weight_group_address(self, member_nodes: list[str]) -> tuple[str, int]:
+        """Rank 0: bind the weight-broadcast group's store socket, kept for `init_weight_group`:
+        on loopback when every other member runs on this node (`member_nodes`: their Ray node
+        ids), else on this node's address (asyncrl.sync.group_store). Returns (host, port)."""
+        import ray
+
+        host = store_host(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), member_nodes)
+        if self._store_socket is not None:  # bound for a formation that never came
+            self._store_socket.close()
+        self._store_socket = bind_store_socket(host)
+        return host, self._store_socket.getsockname()[1]
+
+    def init_weight_group(self, host: str, port: int, world_size: int, backend: str, secret: str) -> None:
         """Rank 0 joins the broadcast group (`backend`: asyncrl.sync.collective.BACKENDS) as its
-        source; other ranks have nothing to join."""
+        source, hosting its store on the socket `weight_group_address` bound (or, without one, on
+        (host, port)); `secret`: this formation's. Other ranks have nothing to join."""
         if self.rank == 0:
-            self._weight_group = create_group(host, port, 0, world_size, backend, self.cfg.trainer.dist_timeout_s)
+            sock, self._store_socket = self._store_socket, None
+            self._weight_group = create_group(host, port, 0, world_size, backend, secret,
+                                              self.cfg.trainer.dist_timeout_s, listen_socket=sock)
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         """Export the current weights (policy `version`) and pack them into the broadcast buckets
