@@ -25,6 +25,7 @@ from asyncrl.config.schema import Config
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.trainer.batch import TrainSample, build_samples
 from asyncrl.trainer.policy_lag import PolicyLag
+from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_json
 from asyncrl.types import staleness
 
 
@@ -122,7 +123,10 @@ class SimTrainerRank:
         return str(path)
 
     def load_checkpoint(self, ckpt_dir: str, load_optimizer: bool = True) -> int:
-        self.step = json.loads((Path(ckpt_dir) / "sim_trainer_state.json").read_text())["step"]
+        state = read_checkpoint_json(Path(ckpt_dir) / "sim_trainer_state.json")  # a regular file, finite numbers
+        if not (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0):
+            raise CheckpointRefused(f"checkpoint {ckpt_dir}/sim_trainer_state.json refused: expected {{\"step\": N}}")
+        self.step = state["step"]
         self._lag.clear()
         return self.step
 
