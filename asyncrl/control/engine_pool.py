@@ -249,7 +249,10 @@ class EnginePool:
     def shutdown(self, timeout_s: float = 60) -> None:
         """Stop every engine's vLLM processes (all at once, within `timeout_s`), then the actors;
         engines still waiting for a place are cancelled first (they would never answer)."""
-        self.cancel_unplaced()
+        try:
+            self.cancel_unplaced()
+        except Exception as e:  # the cluster itself failing: every engine is stopped below all the same
+            logger.warning("engines waiting for a place not cancelled: %s", error_line(e))
         self._stop([i for i, e in enumerate(self.engines) if e is not None], timeout_s)
         for _, group in self.own_groups.values():
             actors.remove_bundle(group)
