@@ -111,9 +111,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
             raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model, not {hf.model_type}")
         # Each router then holds a RouterReplay; megatron keeps every one made in the process in a
         # list that only grows (the trainer addresses its own routers, never that list).
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        RouterReplay.clear_global_router_replay_instances()
+        mbridge_compat.clear_router_replays()
         bridge.set_extra_args(moe_enable_routing_replay=True)
     if recompute == "full":  # each layer's input kept, the rest recomputed in backward
         bridge.set_extra_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

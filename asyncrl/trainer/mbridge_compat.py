@@ -1,5 +1,6 @@
-"""Every call asyncrl makes into a private mbridge API, in one place, and the one into
-megatron's rotary embedding that the HF conversion needs on every device.
+"""Every call asyncrl makes into a private mbridge API, in one place, the one into megatron's
+rotary embedding that the HF conversion needs on every device, and the two that routing replay
+makes into megatron's global router list and torch's autograd state.
 
 Checked against mbridge 0.15.1 with megatron-core 0.16.1 (`CHECKED_VERSIONS`).
 tests/test_compat.py checks that every name in `PRIVATE_NAMES` and `SOURCE_FACTS` is
@@ -33,6 +34,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.get_freqs_non_repeated"),
     ("mbridge.core.bridge", "broadcast_from_megatron_pp"),
     ("mbridge.core.bridge", "broadcast_str_from_megatron_pp"),
+    ("megatron.core.transformer.moe.router_replay", "RouterReplay.clear_global_router_replay_instances"),
+    ("torch._C", "_current_graph_task_id"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -207,3 +210,17 @@ class WeightsView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
+
+
+def clear_router_replays() -> None:
+    """Empty megatron's process-wide list of replaying routers: each model built adds its routers
+    to it and nothing removes them (megatron-core 0.16.1); asyncrl addresses its own routers."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a recomputed forward inside it): torch
+    has no public test for it (torch 2.13: `torch._C._current_graph_task_id`, -1 outside)."""
+    return torch._C._current_graph_task_id() != -1

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.trainer import mbridge_compat
+
 
 def routers(chunk: torch.nn.Module) -> list[Any]:
     """The TopKRouters of a model chunk (its pipeline stage's MoE layers)."""
@@ -85,7 +87,7 @@ class RouterStats:
 
     @torch.no_grad()
     def _hook(self, router: Any, args: tuple, output: tuple) -> None:
-        if not self.enabled or torch._C._current_graph_task_id() != -1:  # not in a recompute during backward
+        if not self.enabled or mbridge_compat.in_backward():  # not in a recompute during backward
             return
         layer = router.layer_number - 1
         _, routing_map = output  # [T, E] bool: the experts used (replayed or chosen)
