@@ -231,7 +231,9 @@ class RolloutWorker:
             for i, done in enumerate(group.trajectories):
                 start = state.snapshots.get(i)
                 kept = done if done is not None else start.trajectory if start is not None else None
-                why = None if kept is None else trajectory_problem(kept, self._remote_limits())
+                # versions unchecked: a restored worker's engines have answered nothing yet
+                why = None if kept is None else trajectory_problem(kept, replace(self._remote_limits(),
+                                                                                 newest_version=None))
                 if why is not None:  # a corrupt or crafted checkpoint: the sample starts again from its prompt
                     logger.warning("worker-%d: sample %d of %s in the checkpoint refused (%s): it starts again",
                                    self.worker_id, i, group.group_id, why)
