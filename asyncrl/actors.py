@@ -333,7 +333,9 @@ def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: 
 
 
 def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list) -> WeightSync:
-    """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers (not
-    connected yet: `connect()`)."""
+    """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers, or the
+    shared region where they share its host or GPU (not connected yet: `connect()`). Simulated
+    backends broadcast (their broadcast is a wait of its simulated time)."""
+    sim = cfg.trainer.backend == "sim" or cfg.engine.backend == "sim"
     return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s,
-                      Clock(cfg.cluster.time_scale))
+                      Clock(cfg.cluster.time_scale), "broadcast" if sim else cfg.trainer.weight_sync_transport)

@@ -1,4 +1,4 @@
-"""Build a tiny, random-initialised Hugging Face checkpoint of one dense model family, offline.
+"""Build a tiny, random-initialised Hugging Face checkpoint of one model family, offline.
 
     python scripts/build_tiny_model.py --arch qwen3 --out /tmp/tiny_qwen3 [--seed 0]
 
@@ -6,7 +6,12 @@ Each family carries the features of its real configs that change the conversion 
 (docs/models.md): qwen2 — grouped-query attention (4 heads over 2 KV heads), QKV bias,
 untied output layer; qwen3 — QK-norm, no attention bias, an explicit head_dim (64, so
 heads x head_dim != hidden), untied; llama — llama3 rope scaling, grouped-query attention,
-untied. All: hidden 128, 2 layers, MLP 256, fp32 safetensors (~1.5 MB), built in seconds.
+untied; mistral — Llama's architecture under its own model_type, no sliding window, GQA, untied;
+qwen3_moe — 8 experts, top-2, top-k probabilities renormalised, QK-norm; mixtral — 8 experts,
+top-2 (always renormalised), HF's block_sparse_moe names; qwen2_moe — 8 routed experts, top-2 NOT
+renormalised (Qwen1.5/Qwen2-MoE's setting), a shared expert (MLP 128) behind its sigmoid gate,
+QKV bias. All: hidden 128, 2 layers, MLP 256 (experts 64), fp32 safetensors (~1.5-2.7 MB), built
+in seconds.
 
 The weights are random, not trained, and deliberately not HF's init: every weight is drawn at
 a scale where attention is far from uniform (so rope errors show in the logits), and norm
@@ -29,9 +34,12 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
     PreTrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -39,7 +47,7 @@ from transformers import (
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
 VOCAB_MULTIPLE = 64
 
 
@@ -68,6 +76,24 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
         return Qwen3MoeConfig(**common, head_dim=32, attention_bias=False, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
                               mlp_only_layers=[], router_aux_loss_coef=0.001,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "mistral":
+        # Mistral-7B-v0.3's layout (v0.1's 4096-token sliding window is refused: docs/models.md).
+        return MistralConfig(**common, head_dim=32, sliding_window=None,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "mixtral":
+        # Mixtral-8x7B's layout: every layer sparse, 8 experts, top-2, softmax over the top-2's logits.
+        return MixtralConfig(**{**common, "intermediate_size": 64}, head_dim=32, num_local_experts=8,
+                             num_experts_per_tok=2, sliding_window=None, router_aux_loss_coef=0.001,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "qwen2_moe":
+        # Qwen1.5-MoE / Qwen2-57B-A14B's layout: routed experts whose top-k probabilities are the
+        # full softmax's (not renormalised), plus one shared expert every token goes through,
+        # scaled by sigmoid(shared_expert_gate(x)); QKV bias.
+        return Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=128, norm_topk_prob=False, qkv_bias=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                              router_aux_loss_coef=0.001,
                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 

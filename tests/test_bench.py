@@ -87,6 +87,11 @@ def test_weight_sync_bench_prints_its_figures_as_the_last_line(tmp_path, base_mo
         assert result[key] > 0
     # The warm-up sync captured the load; the timed ones replay it (then vLLM-CPU repacks).
     assert len(result["rounds_sync_s"]) == 2 and result["load_path"] == "replay+repack"
+    # Part two, the same syncs through shared memory (the engine is on the trainer's host).
+    assert result["shared_transport"] == "shared_memory" and len(result["rounds_shared_sync_s"]) == 2
+    for key in ("shared_sync_s", "shared_paused_s", "shared_vs_broadcast", "shared_sync_in_flight_s"):
+        assert result[key] > 0
+    assert result["shared_load_path"] == "replay+repack" and result["shared_in_place_bytes"] == result["in_place_bytes"]
 
 
 @pytest.mark.slow

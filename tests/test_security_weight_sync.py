@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import psutil
 import pytest
 import torch
 
-from asyncrl.sync.collective import NCCL_UID_KEY, publish_nccl_uid, read_nccl_uid
+from asyncrl.sync.collective import NCCL_UID_KEY, BucketPlan, publish_nccl_uid, read_nccl_uid
 from asyncrl.sync.group_store import (
     LOOPBACK,
     NAME_PREFIX,
@@ -37,6 +38,7 @@ from asyncrl.sync.group_store import (
     new_group_secret,
     open_group_store,
 )
+from asyncrl.sync.shared_buckets import SharedBucketsReader, SharedBucketsWriter, bucket_offsets, segment_path
 from tests.conftest import REPO
 
 # A gloo member as the trainer's rank 0 and a vLLM worker are: its secret arrives on stdin (through
@@ -245,3 +247,58 @@ def test_an_nccl_unique_id_planted_by_an_outsider_is_refused_in_one_line(uid_sto
         with pytest.raises(StoreTampered, match=f"value for '{NCCL_UID_KEY}' does not carry this group's seal") as info:
             read_nccl_uid(reader)
         assert "\n" not in str(info.value)
+
+
+# -- the shared-memory transport's segment ---------------------------------------------------------
+
+def tiny_plan() -> BucketPlan:
+    return BucketPlan.build([("a", "float32", [64, 32]), ("b", "float32", [9])], bucket_bytes=1024)
+
+
+@pytest.fixture
+def secret():
+    s = new_group_secret()
+    yield s
+    if os.path.lexists(segment_path(s)):  # what a test planted
+        os.unlink(segment_path(s))
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("planted", ["a file", "a symbolic link"])
+def test_a_name_planted_ahead_fails_the_formation(secret, tmp_path, planted):
+    """Whoever learnt the name could plant weights under it before rank 0 creates it: O_EXCL
+    refuses to take over any existing name, a symbolic link included."""
+    path = segment_path(secret)
+    if planted == "a file":
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    else:
+        os.symlink(tmp_path / "elsewhere", path)
+    with pytest.raises(FileExistsError):
+        SharedBucketsWriter("shared_memory", tiny_plan(), secret, torch.device("cpu"))
+    assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("planted,message", [("mode 644", "mode 644, not 600"), ("short", "bytes, not"),
+                                             ("link", "refused"), ("another user's", "owned by uid 65534")])
+def test_a_reader_refuses_a_segment_it_did_not_get_from_rank_0(secret, tmp_path, planted, message):
+    if planted == "another user's" and os.getuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+    plan = tiny_plan()
+    nbytes = bucket_offsets(plan)[1]
+    path = segment_path(secret)
+    if planted == "link":
+        target = tmp_path / "weights"
+        target.write_bytes(b"\0" * nbytes)
+        target.chmod(0o600)
+        os.symlink(target, path)
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, nbytes if planted == "mode 644" else nbytes - 8)
+        os.fchmod(fd, 0o644 if planted == "mode 644" else 0o600)
+        if planted == "another user's":
+            os.fchown(fd, 65534, -1)  # nobody
+        os.close(fd)
+    with pytest.raises(RuntimeError, match=message):
+        SharedBucketsReader("shared_memory", plan, secret, {"nbytes": nbytes}, torch.device("cpu"))

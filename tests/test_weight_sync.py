@@ -1,10 +1,12 @@
 """Trainer -> engine weight sync on the real stack: megatron-core trainer ranks and a
-vLLM-CPU engine in Ray actors, joined by one gloo broadcast group; and how `WeightSync.connect`
-forms that group (its store's address, a secret per formation), with stand-in actors."""
+vLLM-CPU engine in Ray actors, joined by one gloo broadcast group or by the trainer's buckets in
+shared memory (asyncrl/sync/shared_buckets.py); and how `WeightSync.connect` forms that group
+(its store's address, a secret per formation), with stand-in actors."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import psutil
@@ -17,6 +19,7 @@ from asyncrl import actors
 from asyncrl.run_config import load_config
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.sync.group_store import LOOPBACK, SECRET_MIN_CHARS
+from asyncrl.sync.shared_buckets import SHM_DIR, SHM_PREFIX
 from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.trainer.trainer_rank import TrainerRank
@@ -91,22 +94,32 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
 # With plain weights the engine's own start already loaded once (asyncrl_use_plain_weights),
 # so its first sync replays too. Requests are in flight at each sync: `abort` ends them with
 # what they have (the engine's receive is sent right behind its pause), `keep` freezes them
-# and they go on under the new weights.
-@pytest.mark.parametrize("prepack,load_paths,pause_mode", [(True, ["copy+repack", "replay+repack"], "keep"),
-                                                           (False, ["replay", "replay"], "abort")])
+# and they go on under the new weights. The same through shared memory (the engine on the
+# trainer's host): the same plan, in-place receives and checksums, the bytes read from /dev/shm.
+@pytest.mark.parametrize("prepack,load_paths,pause_mode,transport", [
+    (True, ["copy+repack", "replay+repack"], "keep", "broadcast"),
+    (False, ["replay", "replay"], "abort", "broadcast"),
+    (True, ["copy+repack", "replay+repack"], "abort", "shared_memory")])
 def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, base_model, tmp_path, prepack,
-                                                                load_paths, pause_mode):
+                                                                load_paths, pause_mode, transport):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
                        "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25",
+                       f"trainer.weight_sync_transport={transport}",
                        "engine.max_model_len=512"])  # in-flight requests long enough to outlast the trainer's staging
     tok = AutoTokenizer.from_pretrained(base_model)
     with engine_and_trainer(cfg) as (engine, trainer, setup, info):
         assert info.plain_weights == (not prepack)
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
         sync = actors.create_weight_sync(cfg, trainer, [engine])
+        segments = set(os.listdir(SHM_DIR))
         sync.connect()
-        host, port = sync.store_address  # one node: the group's store on loopback, not every interface
-        assert host == LOOPBACK and listening(port) == [LOOPBACK]
+        assert sync.transport == transport
+        if transport == "broadcast":
+            host, port = sync.store_address  # one node: the group's store on loopback, not every interface
+            assert host == LOOPBACK and listening(port) == [LOOPBACK]
+        else:  # mapped by the trainer and the engine's worker; its name gone once the worker held it
+            assert sync.store_address is None
+            assert not [n for n in set(os.listdir(SHM_DIR)) - segments if n.startswith(SHM_PREFIX)]
         plan = BucketPlan.from_wire(trainer.weight_plan())
         alone_bytes = sum(b[0].nbytes for b in plan.buckets if len(b) == 1)
         assert alone_bytes >= 13 * 128 * 512 * 4 and len(plan.buckets) - 13 >= 4
@@ -144,6 +157,11 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
             generated.append(assert_engine_generates_like_trainer(engine, trainer, tok, ids, version,
                                                                   tmp_path / f"hf-{version}"))
             assert generated[-1] != generated[-2]  # ... and training did change them since the last sync.
+        if transport == "shared_memory":  # formed again, as after a scale event: a new segment, its name gone too
+            sync.connect()
+            assert ray.get(trainer.ranks[0].__ray_call__.remote(lambda r: r._shared.path)) is None
+            trainer.train_step(make_groups(tok, seed=30), 2)
+            assert sync.sync(version=3, pause_mode=pause_mode).load_paths == ["replay+repack"]  # checksums checked
 
 
 def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster, base_model, tmp_path):

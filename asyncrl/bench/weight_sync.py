@@ -20,6 +20,11 @@ ratio = median over rounds of raw_s / sync_s (1.0 = the sync costs nothing beyon
 Then `bench.rounds` more syncs with `bench.pause_requests` long requests in flight on every
 engine, as in a run (`sync_in_flight_s`, `paused_in_flight_s`: `algorithm.pause_mode`
 decides whether they end with what they have or wait and go on under the new weights).
+Then, where every engine is on trainer rank 0's host (on GPUs: its GPU), the group formed again over the
+shared transport (asyncrl/sync/shared_buckets.py: shared memory on CPU, CUDA IPC on GPUs) and the
+same syncs, idle and with requests in flight (`shared_*`; `shared_vs_broadcast`: median sync_s
+of the broadcast / of the shared transport), so that both are measured in the same run on the
+same processes. Whatever `trainer.weight_sync_transport` says, part one broadcasts.
 Also: the trainer's tokens/s over `bench.trainer_steps` train steps on groups of the
 recipe's prompts with `bench.max_new_tokens` sampled tokens each. Last line: one JSON object.
 """
@@ -88,6 +93,41 @@ def raw_broadcast_s(sync: WeightSync, sizes: list[int]) -> float:
     return time.monotonic() - t0
 
 
+def syncs_in_flight(sync: WeightSync, engines: list, prompt: list[int], cfg: Config, bench: BenchConfig,
+                    version: int, tag: str) -> tuple[int, list]:
+    """`bench.rounds` syncs with `bench.pause_requests` long requests in flight on every engine."""
+    busy = []
+    for r in range(bench.rounds):
+        version += 1
+        refs = [ref for i, e in enumerate(engines) for ref in start_long_requests(
+            e, prompt, bench.pause_requests, cfg.engine.max_model_len, f"{tag}{r}-e{i}")]
+        busy.append(sync.sync(version, cfg.algorithm.pause_mode))
+        ray.get(refs)
+    return version, busy
+
+
+def shared_results(transport: str, sync_s: list[float], shared: list, busy: list) -> dict[str, Any]:
+    """Part two's keys (None where the engines are not all where trainer rank 0 is)."""
+    if not shared:
+        return {"shared_transport": None}
+    med = statistics.median
+    shared_s = [t.total_s for t in shared]
+    return {
+        "shared_transport": transport,
+        "shared_sync_s": med(shared_s),
+        "shared_vs_broadcast": med(sync_s) / med(shared_s),
+        "shared_paused_s": med(t.paused_s for t in shared),
+        "shared_stage_s": med(t.stage_s for t in shared),
+        "shared_broadcast_load_s": med(t.broadcast_load_s for t in shared),
+        "shared_load_s": med(t.load_s for t in shared),
+        "shared_sync_in_flight_s": med(t.total_s for t in busy),
+        "shared_paused_in_flight_s": med(t.paused_s for t in busy),
+        "shared_load_path": ",".join(sorted(set(shared[-1].load_paths))),
+        "shared_in_place_bytes": min(shared[-1].in_place_bytes),
+        "rounds_shared_sync_s": [round(x, 4) for x in shared_s],
+    }
+
+
 def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -102,6 +142,7 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         info = trainer.setup()  # while the engines start
         ray.get(started)
         sync = actors.create_weight_sync(cfg, trainer, engines)
+        sync.wanted = "broadcast"  # the shared transport is measured after, in part two
         sync.connect()
 
         sync_s, raw_s, raw_plan_s, phases = [], [], [], []
@@ -122,13 +163,17 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         vocab = AutoConfig.from_pretrained(cfg.model.path).vocab_size
         prompts = [tok.encode(p.prompt) for p in TaskSource(cfg.data).heldout[: cfg.algorithm.prompts_per_step]]
-        busy = []  # syncs with requests in flight on every engine
-        for r in range(bench.rounds):
-            version += 1
-            refs = [ref for i, e in enumerate(engines) for ref in start_long_requests(
-                e, prompts[0], bench.pause_requests, cfg.engine.max_model_len, f"sync{r}-e{i}")]
-            busy.append(sync.sync(version, cfg.algorithm.pause_mode))
-            ray.get(refs)
+        version, busy = syncs_in_flight(sync, engines, prompts[0], cfg, bench, version, "bc")
+        sync.wanted = "auto"  # part two: shared memory or CUDA IPC where every engine is where rank 0 is
+        sync.connect()
+        shared, shared_busy = [], []
+        if sync.transport != "broadcast":
+            for r in range(bench.warmup_rounds + bench.rounds):
+                version += 1
+                timings = sync.sync(version, cfg.algorithm.pause_mode)
+                if r >= bench.warmup_rounds:
+                    shared.append(timings)
+            version, shared_busy = syncs_in_flight(sync, engines, prompts[0], cfg, bench, version, "sh")
         rates = []
         for step in range(bench.trainer_steps + 1):  # the first step warms up
             groups = synthetic_groups(cfg, bench.max_new_tokens, prompts, vocab, step)
@@ -170,4 +215,5 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "rounds": bench.rounds,
         "rounds_sync_s": [round(x, 4) for x in sync_s],
         "rounds_raw_s": [round(x, 4) for x in raw_s],
+        **shared_results(sync.transport, sync_s, shared, shared_busy),
     }

@@ -15,7 +15,7 @@ from asyncrl.config.schema import MOE_MODEL_TYPES, Config
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers (hf_bridge)
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
@@ -35,15 +35,20 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
         problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
     if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
         problems.append("sliding-window attention")
+    elif hf.model_type in ("mistral", "mixtral") and getattr(hf, "sliding_window", None) is not None:
+        # HF's Mistral and Mixtral apply `sliding_window` whenever it is set (no flag, no layer_types);
+        # the trainer's packed attention attends to the whole prefix.
+        problems.append(f"sliding-window attention (sliding_window={hf.sliding_window}; only null is supported)")
     if hf.model_type in ("qwen3", "llama") and getattr(hf, "attention_bias", False):
         # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
         problems.append("attention_bias=true")
     if getattr(hf, "mlp_bias", False):
         problems.append("mlp_bias=true")
+    if hf.model_type == "qwen2_moe" and not getattr(hf, "qkv_bias", True):
+        problems.append("qkv_bias=false (mbridge's qwen2_moe bridge always builds a QKV bias)")
     if hf.model_type in MOE_MODEL_TYPES:
-        if not getattr(hf, "norm_topk_prob", True):
-            # megatron's top-k-then-softmax router renormalises the top-k probabilities.
-            problems.append("norm_topk_prob=false")
+        # norm_topk_prob either way: the trainer's router softmaxes before or after its top-k to match
+        # (hf_bridge.renormalises_top_k).
         if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
             problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
     if hf.vocab_size % tp_size:

@@ -22,11 +22,15 @@ DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis", "gspo", "cispo", "icepop")
 ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+# auto: shared memory (CPU) or CUDA IPC (GPU) where every engine is on trainer rank 0's host or
+# GPU, else the broadcast (asyncrl/sync/shared_buckets.py)
+WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "shared_memory")
 PAUSE_MODES = ("abort", "keep", "none")  # none: trainer.lora only, adapters switched without a pause
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names
 MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
-MOE_MODEL_TYPES = ("qwen3_moe",)  # the mixture-of-experts model types the megatron trainer loads
+# the mixture-of-experts model types the megatron trainer loads (qwen2_moe: with a shared expert)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -297,6 +301,7 @@ class TrainerConfig:
     weight_sync_bucket_mb: float = 16.0  # the broadcast to the engines packs tensors into buffers of this size
     # Tensors of at least this size travel alone, so that engines can receive them straight into their parameters.
     weight_sync_in_place_mb: float = 1.0
+    weight_sync_transport: str = "auto"  # auto | broadcast | shared_memory (WEIGHT_SYNC_TRANSPORTS)
     dist_timeout_s: float = 600.0  # collectives that wait longer fail instead of hanging
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     sim: SimTrainerConfig = field(default_factory=SimTrainerConfig)

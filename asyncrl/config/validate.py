@@ -40,6 +40,7 @@ from asyncrl.config.schema import (
     TOOL_PARSERS,
     TRAINER_BACKENDS,
     WANDB_MODES,
+    WEIGHT_SYNC_TRANSPORTS,
     Config,
 )
 from asyncrl.cpu_cores import parse_cores
@@ -265,6 +266,7 @@ def _check_trainer(c: Config, problems: list[str], need, at_least, one_of, withi
     at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
     within("trainer.torch_threads", t.torch_threads, 0, MAX_THREADS, "0: max(1, int(trainer.num_cpus_per_rank))")
+    one_of("trainer.weight_sync_transport", t.weight_sync_transport, WEIGHT_SYNC_TRANSPORTS)
     for name in ("weight_sync_bucket_mb", "weight_sync_in_place_mb"):
         need(0 < getattr(t, name) <= MAX_BUFFER_MB, f"trainer.{name}", getattr(t, name),
              f"must be in (0, {MAX_BUFFER_MB}] MB")

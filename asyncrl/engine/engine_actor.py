@@ -387,13 +387,21 @@ class EngineActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    async def weight_sync_places(self) -> list[dict]:
+        """Where each vLLM worker runs (node, GPU, room under /dev/shm), for the choice of the
+        weight sync's transport (asyncrl.sync.shared_buckets.choose_transport)."""
+        return await self._watched(self._llm.collective_rpc("asyncrl_place", args=(self.node_id(),)))
+
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                                 secret: str, plan_wire: list, timeout_s: float,
-                                adapter_config: dict | None = None) -> None:
+                                adapter_config: dict | None = None, transport: str = "broadcast",
+                                share: dict | None = None) -> None:
         """Check the trainer's bucket plan against this model, then join the broadcast group
         (each worker keeps the plan: every later broadcast follows it). `secret`: the group's,
         which its store's keys are sealed with (asyncrl.sync.group_store). `adapter_config`: the
-        broadcasts carry a LoRA adapter of the base model (PEFT's config and names)."""
+        broadcasts carry a LoRA adapter of the base model (PEFT's config and names). With a
+        shared `transport` (shared_memory, cuda_ipc) each worker opens trainer rank 0's shared
+        region instead (`share`: what rank 0 returned for it; asyncrl.sync.shared_buckets)."""
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
         if (adapter_config is not None) != bool(self.lora_rank):
@@ -407,7 +415,7 @@ class EngineActor:
             self._check_specs(specs)
         await self._watched(self._llm.collective_rpc(
             "asyncrl_init_weight_group",
-            args=(host, port, rank_offset, world_size, backend, secret, plan_wire, timeout_s)))
+            args=(host, port, rank_offset, world_size, backend, secret, plan_wire, timeout_s, transport, share)))
         self._joined = True
 
     async def update_weights(self, version: int, pause_mode: str = "abort") -> WeightUpdateReport:

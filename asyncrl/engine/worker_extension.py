@@ -22,6 +22,7 @@ from asyncrl.sync.collective import (
     create_group,
     receive_buckets,
 )
+from asyncrl.sync.shared_buckets import SharedBucketsReader, device_place
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,35 @@ class WeightLoaderExtension:
         self._asyncrl_load(safetensors.torch.load(safetensors_blob).items())
 
     def asyncrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                                  backend: str, secret: str, plan_wire: list, timeout_s: float) -> int:
+                                  backend: str, secret: str, plan_wire: list, timeout_s: float,
+                                  transport: str = "broadcast", share: dict | None = None) -> int:
         """Join the trainer's broadcast group as rank `rank_offset + this worker's rank` (`secret`:
-        the group's), and keep its bucket plan (every broadcast follows it)."""
+        the group's), or with a shared `transport` open trainer rank 0's shared region (`share`;
+        asyncrl.sync.shared_buckets), and keep the bucket plan (every sync follows it)."""
         rank = rank_offset + vllm_compat.worker_rank(self)
-        self._asyncrl_group = create_group(host, port, rank, world_size, backend, secret, timeout_s)
-        self._asyncrl_bucket_plan = BucketPlan.from_wire(plan_wire)
+        plan = BucketPlan.from_wire(plan_wire)
+        old = getattr(self, "_asyncrl_group", None)
+        if isinstance(old, SharedBucketsReader):  # an earlier formation's region: let it go
+            old.close()
+        if transport == "broadcast":
+            self._asyncrl_group = create_group(host, port, rank, world_size, backend, secret, timeout_s)
+        else:
+            self._asyncrl_group = SharedBucketsReader(transport, plan, secret, share, vllm_compat.worker_device(self))
+        self._asyncrl_bucket_plan = plan
         return rank
+
+    def asyncrl_place(self, node_id: str) -> dict:
+        """Where this worker runs (its engine's Ray node `node_id`, its GPU): shared_buckets.device_place."""
+        return device_place(node_id, vllm_compat.worker_device(self))
+
+    def _asyncrl_receive(self, plan: BucketPlan, device: torch.device, buffers: ReceiveBuffers | None = None,
+                         destinations: dict[str, torch.Tensor] | None = None):
+        """The sync's buckets as collective.receive_buckets yields them, from the broadcast or the
+        shared region; without `buffers` (a load that may keep the tensors) each gets memory of its own."""
+        group = self._asyncrl_group
+        if isinstance(group, SharedBucketsReader):
+            return group.receive_buckets(destinations, own_copies=buffers is None)
+        return receive_buckets(group, plan, device, buffers, destinations)
 
     def asyncrl_receive_weights(self) -> dict:
         """Receive one broadcast of the whole model (in the group's bucket plan) and load it
@@ -74,7 +97,7 @@ class WeightLoaderExtension:
 
         def buckets():
             """Each bucket's tensors as it arrives (none for one received in place)."""
-            received = receive_buckets(self._asyncrl_group, plan, device, buffers, destinations)
+            received = self._asyncrl_receive(plan, device, buffers, destinations)
             while True:
                 t = time.monotonic()
                 bucket = next(received, None)
@@ -100,8 +123,7 @@ class WeightLoaderExtension:
         t0 = time.monotonic()
         checksums: dict[str, int] = {}
         tensors: dict[str, torch.Tensor] = {}
-        for bucket, _, sums in receive_buckets(self._asyncrl_group, self._asyncrl_bucket_plan,
-                                               vllm_compat.worker_device(self)):
+        for bucket, _, sums in self._asyncrl_receive(self._asyncrl_bucket_plan, vllm_compat.worker_device(self)):
             checksums.update(zip((name for name, _ in bucket), sums))
             tensors.update(bucket)
         t1 = time.monotonic()

@@ -345,11 +345,13 @@ class _CudaWork:
 
 
 def pack_buckets(plan: BucketPlan, tensors: Iterable[tuple[str, torch.Tensor]],
-                 device: torch.device) -> list[torch.Tensor]:
-    """Copy `tensors` (any order) into one byte buffer per bucket; each of the plan's
-    tensors must come exactly once, with the plan's shape and dtype."""
+                 device: torch.device, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Copy `tensors` (any order) into one byte buffer per bucket (`out`'s if given: a shared
+    region's, shared_buckets.py); each of the plan's tensors must come exactly once, with the
+    plan's shape and dtype."""
     slots = {s.name: (i, s) for i, bucket in enumerate(plan.buckets) for s in bucket}
-    buffers = [torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device) for i in range(len(plan.buckets))]
+    buffers = out if out is not None else [torch.empty(plan.bucket_nbytes(i), dtype=torch.uint8, device=device)
+                                           for i in range(len(plan.buckets))]
     for name, tensor in tensors:
         if name not in slots:
             raise ValueError(f"{name}: not in the bucket plan, or given twice")

@@ -4,6 +4,9 @@
 worker of every engine; see collective.py) after each engine has checked the
 trainer's bucket plan against its model; each formation gets a fresh secret, handed to
 every member through Ray, which the group's store seals its keys with (group_store.py).
+Where every engine worker shares trainer rank 0's host (CPU) or GPU, the formation may use a
+shared region instead of the collective (`transport`; shared_buckets.py): rank 0 creates it,
+named after the secret, every worker maps it, then its name is removed.
 `WeightSync.sync(version)` then has the trainer export and pack its weights while the
 engines still generate, has every engine pause, receive the broadcast, load it and resume
 (one call each), times each phase, and checks that every engine received exactly the bytes
@@ -26,6 +29,7 @@ from asyncrl.clock import Clock
 from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.sync.group_store import new_group_secret
+from asyncrl.sync.shared_buckets import choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,13 @@ class EnginesFailed(RuntimeError):
 class WeightSync:
     """Driver-side coordination of the weight broadcast between one TrainerGroup and the engines."""
 
-    def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0, clock: Clock | None = None):
+    def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0, clock: Clock | None = None,
+                 transport: str = "broadcast"):
         self.trainer = trainer  # a TrainerGroup
         self.engines = engines  # EngineActor handles
         self.backend = backend  # "gloo" on CPU, "cupy" on GPUs (asyncrl.sync.collective.broadcast_backend)
+        self.wanted = transport  # trainer.weight_sync_transport (shared_buckets.TRANSPORTS)
+        self.transport = "broadcast"  # what the last formation resolved it to (choose_transport)
         self.timeout_s = timeout_s
         self.connected = False
         self.plan: BucketPlan | None = None  # the trainer's, once connected
@@ -57,17 +64,25 @@ class WeightSync:
         self.clock = clock or Clock()  # the timings' (simulated seconds with simulated backends)
 
     def connect(self) -> float:
-        """Form the broadcast group (trainer rank 0 + every vLLM worker); returns seconds taken."""
+        """Form the broadcast group (trainer rank 0 + every vLLM worker), or the shared region
+        where every worker is where rank 0 is; returns seconds taken."""
         t0 = time.monotonic()
         workers = ray.get([e.num_workers.remote() for e in self.engines])
-        nodes = ray.get([e.node_id.remote() for e in self.engines])
-        # Trainer rank 0 binds the store now (loopback if every engine is on its node) and holds it.
-        host, port = self.trainer.weight_group_address(nodes)
         secret = new_group_secret()  # this formation's: a member of an earlier one cannot join or read it
         self.world_size = 1 + sum(workers)
         plan = self.trainer.weight_plan()
         self.plan = BucketPlan.from_wire(plan)
         adapter = self.trainer.adapter_config()  # trainer.lora: the syncs carry an adapter
+        self.transport = self._choose_transport()
+        if self.transport != "broadcast":
+            self._share(workers, secret, plan, adapter)
+            self.connected, self.store_address = True, None
+            seconds = time.monotonic() - t0
+            logger.info("weight sync over %s ready: %d members, %.1fs", self.transport, self.world_size, seconds)
+            return seconds
+        nodes = ray.get([e.node_id.remote() for e in self.engines])
+        # Trainer rank 0 binds the store now (loopback if every engine is on its node) and holds it.
+        host, port = self.trainer.weight_group_address(nodes)
         # Every member must be joining at once: the trainer's store waits for all of them.
         refs = self.trainer.init_weight_group_async(host, port, self.world_size, self.backend, secret)
         offset = 1
@@ -81,6 +96,26 @@ class WeightSync:
         seconds = time.monotonic() - t0
         logger.info("weight-sync group ready: %d members, %.1fs", self.world_size, seconds)
         return seconds
+
+    def _choose_transport(self) -> str:
+        if self.wanted == "broadcast":
+            return "broadcast"
+        device = "cpu" if self.backend == "gloo" else "cuda"
+        places = ray.get([e.weight_sync_places.remote() for e in self.engines])
+        return choose_transport(self.wanted, device, self.trainer.weight_sync_place(), places, self.plan.total_bytes)
+
+    def _share(self, workers: list[int], secret: str, plan: list, adapter: dict | None) -> None:
+        """Rank 0 creates the shared region, every engine's workers open it, then its name goes."""
+        share = self.trainer.init_shared_weights(self.transport, secret)
+        try:
+            refs, offset = [], 1
+            for engine, n in zip(self.engines, workers):
+                refs.append(engine.init_weight_group.remote("", 0, offset, self.world_size, self.backend, secret,
+                                                            plan, self.timeout_s, adapter, self.transport, share))
+                offset += n
+            ray.get(refs)
+        finally:
+            self.trainer.shared_weights_joined()
 
     def sync(self, version: int, pause_mode: str = "abort", newest: bool = False) -> SyncTimings:
         """Stage, then on every engine at once: pause, broadcast, load, stamp `version`, resume.

@@ -1,5 +1,5 @@
-"""Hugging Face <-> Megatron weights for Qwen2, Qwen3 and Llama (dense) and Qwen3-MoE models,
-through mbridge.
+"""Hugging Face <-> Megatron weights for Qwen2, Qwen3, Llama and Mistral (dense) and Qwen3-MoE,
+Mixtral and Qwen2-MoE (mixture-of-experts) models, through mbridge.
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
@@ -16,7 +16,13 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - Qwen2Bridge writes the tied-embedding mapping into a dict shared by every Qwen2/Qwen3 bridge
   of the process: each bridge gets its own output-layer mapping;
 - `Bridge.get_model` moves modules with `.cuda()`: `build_gpt_model` builds from its
-  model provider instead.
+  model provider instead;
+- it has no Mistral bridge: Mistral is Llama's architecture under another model_type (without a
+  sliding window, which is refused), so "mistral" is registered to its LLaMA bridge;
+- its MoE bridges fix where the router's softmax goes (Mixtral's before the top-k, which skips the
+  renormalisation HF's Mixtral router does); `renormalises_top_k` sets it from the HF config;
+- its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
+  `moe_shared_expert_gate` is set.
 What the conversion is not known to do exactly (docs/models.md) is refused by
 `read_model_config` before anything is built, in one line.
 """
@@ -71,6 +77,12 @@ def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
     return inv_freq.float()
 
 
+def renormalises_top_k(hf: PreTrainedConfig) -> bool:
+    """Whether HF's router renormalises the top-k probabilities (softmax over the chosen experts'
+    logits); if not, they are the full softmax's (Qwen2-MoE's `norm_topk_prob: false`)."""
+    return hf.model_type == "mixtral" or bool(getattr(hf, "norm_topk_prob", True))  # Mixtral always does
+
+
 def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, routing_replay: bool = False,
                 recompute: str = "none"):
     """An mbridge bridge for the HF checkpoint at `model_path`, set up for our layers (with
@@ -80,8 +92,11 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     Must be called after megatron's parallel state is initialised (the bridge reads it).
     """
     from mbridge import AutoBridge
+    from mbridge.core import register_model
+    from mbridge.models import LLaMABridge
     from megatron.core import parallel_state as mpu
 
+    register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -106,6 +121,15 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         # have neither, so the experts run as SequentialMLP (one linear pair per expert).
         bridge.set_extra_args(persist_layer_norm=False, moe_grouped_gemm=False, bias_activation_fusion=False)
         mbridge_compat.map_sequential_experts(bridge)
+        # The shared experts' overlap with the dispatcher runs them on a CUDA stream.
+        bridge.set_extra_args(moe_shared_expert_overlap=False)
+    if moe:
+        # Megatron's top-k of the softmax (pre_softmax) keeps the full softmax's probabilities;
+        # its softmax of the top-k logits renormalises them. Replayed routes take either from the
+        # router's own logits (moe_routing.py).
+        bridge.set_extra_args(moe_router_pre_softmax=not renormalises_top_k(hf))
+    if hf.model_type == "qwen2_moe":  # sigmoid(x . gate) scales the shared expert's output, as HF's
+        bridge.set_extra_args(moe_shared_expert_gate=True)
     if routing_replay:
         if not moe:
             raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model, not {hf.model_type}")

@@ -5,11 +5,14 @@ engine routed it to at each MoE layer (`PackedBatch.routes`, [L, layers, top_k])
 micro-batch's forward each router of the model chunk gets its layer's [L, top_k] ids through
 megatron's router replay (`TransformerConfig.moe_enable_routing_replay`,
 megatron/core/transformer/moe/router_replay.py): the router then uses those experts, its gate
-probabilities taken from its own current logits at them (renormalised over the top-k, as
-Qwen3-MoE's router does), so gradients still reach the router. Its per-instance calls are used,
-not the process-wide list (which also holds the reference model's routers). A recomputed
-forward during backward would pop the same ids again (REPLAY_BACKWARD); asyncrl recomputes
-nothing today, and `clear` empties that list after every schedule run.
+probabilities taken from its own current logits at them (renormalised over the top-k, or the
+full softmax's where the HF router does not renormalise: hf_bridge.renormalises_top_k), so
+gradients still reach the router. Shared experts (Qwen2-MoE) are not routed: every token goes
+through them in every forward, replayed or not; only the routed experts' choice is replayed.
+Its per-instance calls are used, not the process-wide list (which also holds the reference
+model's routers). A recomputed forward during backward would pop the same ids again
+(REPLAY_BACKWARD); asyncrl recomputes nothing today, and `clear` empties that list after every
+schedule run.
 
 Health (`RouterStats`, every train step, replay or not): per layer, the tokens each expert got,
 the auxiliary load-balancing loss the router would add (Switch / GShard form: E x sum_e f_e P_e,

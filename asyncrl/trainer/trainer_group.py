@@ -94,6 +94,17 @@ class TrainerGroup:
                                 secret: str) -> list[ray.ObjectRef]:
         return [r.init_weight_group.remote(host, port, world_size, backend, secret) for r in self.ranks]
 
+    def weight_sync_place(self) -> dict:
+        """Where rank 0 runs (node, GPU, room under /dev/shm): asyncrl.sync.shared_buckets.choose_transport."""
+        return self.get([self.ranks[0].weight_sync_place.remote()])[0]
+
+    def init_shared_weights(self, transport: str, secret: str) -> dict:
+        """Rank 0 creates the formation's shared region; returns what the engines need to open it."""
+        return self.get([self.ranks[0].init_shared_weights.remote(transport, secret)])[0]
+
+    def shared_weights_joined(self) -> None:
+        self.get([self.ranks[0].shared_weights_joined.remote()])
+
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         return self.on_ranks(lambda r: r.stage_weights.remote(version, newest))
 

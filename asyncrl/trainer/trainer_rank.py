@@ -51,6 +51,7 @@ from asyncrl.sync.collective import (
     send_buckets,
 )
 from asyncrl.sync.group_store import bind_store_socket, store_host
+from asyncrl.sync.shared_buckets import SharedBucketsWriter, device_place
 from asyncrl.trainer import lora, mbridge_compat, moe_routing
 from asyncrl.trainer.batch import (
     PackedBatch,
@@ -93,6 +94,8 @@ class TrainerRank:
         self._weight_group = None
         self._store_socket: socket.socket | None = None  # rank 0: the weight group's, bound ahead of its store
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
+        # Rank 0, with a shared transport: the region the engines read the staged buckets from
+        self._shared: SharedBucketsWriter | None = None
         # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
         # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
         self._lag = PolicyLag(cfg.algorithm.policy_lag)
@@ -472,9 +475,37 @@ class TrainerRank:
         source, hosting its store on the socket `weight_group_address` bound (or, without one, on
         (host, port)); `secret`: this formation's. Other ranks have nothing to join."""
         if self.rank == 0:
+            self._close_shared()  # this formation broadcasts
             sock, self._store_socket = self._store_socket, None
             self._weight_group = create_group(host, port, 0, world_size, backend, secret,
                                               self.cfg.trainer.dist_timeout_s, listen_socket=sock)
+
+    def weight_sync_place(self) -> dict:
+        """Where this rank runs, for the choice of transport (asyncrl.sync.shared_buckets.choose_transport)."""
+        import ray
+
+        return device_place(ray.get_runtime_context().get_node_id(), self.device)
+
+    def init_shared_weights(self, transport: str, secret: str) -> dict | None:
+        """Rank 0: create this formation's shared region (`transport`: shared_memory or cuda_ipc),
+        named after `secret`; returns what the engines need besides the secret to open it (wire
+        data). The buckets are packed into it from the next `stage_weights` on."""
+        if self.rank != 0:
+            return None
+        self._close_shared()
+        self._weight_group = None  # the broadcast group of an earlier formation, if any
+        self._shared = SharedBucketsWriter(transport, self.plan, secret, self.device)
+        return self._shared.share
+
+    def shared_weights_joined(self) -> None:
+        """Every engine worker holds the shared region: its name goes (nothing else can open it)."""
+        if self._shared is not None:
+            self._shared.unlink_name()
+
+    def _close_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
     def stage_weights(self, version: int, newest: bool = False) -> StagedWeights:
         """Export the current weights (policy `version`) and pack them into the broadcast buckets
@@ -496,18 +527,25 @@ class TrainerRank:
                 sums[name] = byte_sum(t)  # on the device, read once below: no synchronisation per tensor
                 yield name, t
 
-        buckets = pack_buckets(self.plan, tensors(), self.device)
+        # Without a lag the buckets go straight into the shared region, if any (no engine reads it
+        # now: the previous sync has returned); with one, the kept versions need memory of their own.
+        out = self._shared.buffers() if self._shared is not None and not self.cfg.algorithm.policy_lag else None
+        buckets = pack_buckets(self.plan, tensors(), self.device, out)
         checksums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         staged_version, (self._staged, staged_checksums) = self._lag.stage(version, (buckets, checksums), newest)
+        if self._shared is not None:
+            self._shared.write(self._staged)  # a copy only with a lag
         return StagedWeights(time.monotonic() - t0, staged_checksums, staged_version)
 
     def broadcast_weights(self) -> float:
-        """Send the staged buckets to every engine worker (rank 0; a no-op elsewhere). Returns seconds."""
+        """Send the staged buckets to every engine worker (rank 0; a no-op elsewhere; with a shared
+        transport they are in the shared region already, staged there). Returns seconds."""
         t0 = time.monotonic()
         if self.rank == 0:
             if self._staged is None:
                 raise RuntimeError("broadcast_weights without stage_weights: nothing to send")
-            send_buckets(self._weight_group, self._staged)
+            if self._shared is None:
+                send_buckets(self._weight_group, self._staged)
             self._staged = None
         return time.monotonic() - t0
 
@@ -573,6 +611,7 @@ class TrainerRank:
         return self.step
 
     def shutdown(self) -> None:
+        self._close_shared()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
