@@ -12,7 +12,8 @@ from tests.conftest import REPO
 # Plain data, typed messages, config, RL math, the inference protocol and request channel,
 # the collective helpers, metrics and logging, the task data, user reward functions.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
-          "asyncrl.sync.collective", "asyncrl.sync.group_store", "asyncrl.metrics", "asyncrl.monitoring",
+          "asyncrl.sync.collective", "asyncrl.sync.group_store", "asyncrl.sync.shared_buckets", "asyncrl.metrics",
+          "asyncrl.monitoring",
           "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.recipe_hooks", "asyncrl.reward_function", "asyncrl.clock",
           "asyncrl.lognormal")
 AGENT_LOOPS = ("agent_loops",)
