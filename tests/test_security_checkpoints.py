@@ -117,6 +117,16 @@ def load_refused(trainer, ckpt: Path) -> str:
     return refusal(info.value)
 
 
+def own_metadata(path: Path):
+    """The `.metadata` a test has just written, read with asyncrl's restricted unpickler (no test
+    unpickles with a general one: what it edits is data, and it stays so)."""
+    from asyncrl.trainer.safe_checkpoint import DCP_METADATA_GLOBALS, RestrictedUnpickler
+
+    # torch's own save records the directory as a PosixPath (megatron's does not)
+    allowed = DCP_METADATA_GLOBALS | {("pathlib", "PosixPath"), ("pathlib._local", "PosixPath")}
+    return RestrictedUnpickler(io.BytesIO(path.read_bytes()), path, allowed).load()
+
+
 def rewrite_item(ckpt: Path, want_bytes: bool, payload: bytes, outside: Path | None = None) -> Path:
     """Point one item of the DCP metadata (a byte item, e.g. a layer's `_extra_state`, or a
     tensor chunk) at `payload`: appended to its .distcp file, or in `outside` (a file beside the
@@ -124,8 +134,7 @@ def rewrite_item(ckpt: Path, want_bytes: bool, payload: bytes, outside: Path | N
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     meta_file = ckpt / ".metadata"
-    with open(meta_file, "rb") as f:
-        metadata = pickle.load(f)  # our own honest file
+    metadata = own_metadata(meta_file)
     fqn = next(k for k, v in metadata.state_dict_metadata.items()
                if isinstance(v, BytesStorageMetadata) == want_bytes)
     index = next(i for i in metadata.storage_data if i.fqn == fqn)
@@ -170,8 +179,7 @@ def test_dcp_metadata_pickle_is_refused(trainer, ckpt, marker):
 @pytest.mark.attack
 def test_dcp_metadata_with_a_payload_inside_is_refused(trainer, ckpt, marker):
     """(b') A well-formed `.metadata` carrying the payload in one of its fields."""
-    with open(ckpt / ".metadata", "rb") as f:
-        metadata = pickle.load(f)
+    metadata = own_metadata(ckpt / ".metadata")
     metadata.planner_data = {"x": Payload(marker)}
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
     assert load_refused(trainer, ckpt) == refused_line(ckpt / ".metadata", "posix.system")
@@ -223,8 +231,7 @@ def byte_item_shard(ckpt: Path, length: int) -> Path:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     meta_file = ckpt / ".metadata"
-    with open(meta_file, "rb") as f:
-        metadata = pickle.load(f)  # our own honest file
+    metadata = own_metadata(meta_file)
     fqn = next(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
     info.length = length
@@ -307,7 +314,7 @@ def tiny_dcp(root: Path) -> Path:
 
     dcp.save({"w": torch.arange(12.0).reshape(3, 4), "obj": {"a": [1, 2], "b": "x"}},
              checkpoint_id=str(root), no_dist=True)
-    metadata = pickle.loads((root / ".metadata").read_bytes())  # our own honest file
+    metadata = own_metadata(root / ".metadata")
     metadata.storage_meta = None  # torch records the directory as a PosixPath, which megatron's save does not
     (root / ".metadata").write_bytes(pickle.dumps(metadata))
     return root
@@ -330,7 +337,7 @@ def load_tiny_dcp(root: Path) -> dict:
 
 def edit_storage(root: Path, fqn: str, **fields) -> Path:
     """Set fields of one item's storage info in `.metadata`; returns the shard it lies in."""
-    metadata = pickle.loads((root / ".metadata").read_bytes())
+    metadata = own_metadata(root / ".metadata")
     info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
     for name, value in fields.items():
         setattr(info, name, value)

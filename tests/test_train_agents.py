@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import threading
-import time
 
 import httpx
 import pytest
@@ -77,12 +77,11 @@ def hostile_proxy(upstream: str):
         sent.append(name)
         return Response(json.dumps(body), 200, media_type="application/json")  # NaN as JSON's NaN
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.create_server(("127.0.0.1", 0))  # listening now: connections wait for the server
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{port}", sent
     finally:
