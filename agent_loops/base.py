@@ -118,23 +118,26 @@ class AgentLoop:
         sampling = replace(self.sampling, max_new_tokens=self.budget(snapshot), **overrides)
         request_id = f"{t.prompt_id}:{t.group_id}:{next(_request_counter)}"
         result = await self.engine.agenerate(t.prompt_token_ids + t.response_token_ids, sampling, request_id)
-        result = cut_at_split_stop(self.continued_tokens(t), result, sampling.stop, self.tokenizer,
-                                   len(t.prompt_token_ids) + t.num_response_tokens)
+        if sampling.stop:  # (the tokens before the pause, only as many as the longest stop string)
+            before = self.continued_tokens(t, max(len(s) for s in sampling.stop))
+            result = cut_at_split_stop(before, result, sampling.stop, self.tokenizer,
+                                       len(t.prompt_token_ids) + t.num_response_tokens)
         t.add_routes(result.routes)  # before the new tokens: positions past the trajectory's are theirs
         if result.token_ids:
             t.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
         return result
 
     @staticmethod
-    def continued_tokens(t: Trajectory) -> list[int]:
-        """The policy tokens since the last environment tokens: what the next request continues
-        (after an environment's tokens a request starts fresh: no stop string spans them)."""
-        tail: list[Segment] = []
+    def continued_tokens(t: Trajectory, limit: int) -> list[int]:
+        """The last `limit` (at most) policy tokens since the last environment tokens: what the
+        next request continues (after an environment's tokens a request starts fresh: no stop
+        string spans them)."""
+        tail: list[int] = []
         for segment in reversed(t.segments):
-            if not any(segment.loss_mask):
+            if not any(segment.loss_mask) or len(tail) >= limit:
                 break
-            tail.append(segment)
-        return [i for segment in reversed(tail) for i in segment.token_ids]
+            tail[:0] = segment.token_ids
+        return tail[-limit:]
 
     def append_env(self, snapshot: AgentLoopSnapshot, text: str) -> None:
         """Append `text` (a tool's output, an environment's reply) as environment tokens (loss

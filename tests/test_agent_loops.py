@@ -223,9 +223,10 @@ def test_a_stop_string_is_not_completed_across_environment_tokens(tokenizer):
     request after it starts fresh, its tokens kept whole."""
     fresh = Trajectory("p", "g", [1], segments=[policy(ids(tokenizer, "a </to")),
                                                 Segment.from_env(ids(tokenizer, "b"))])
-    assert AgentLoop.continued_tokens(fresh) == []
+    assert AgentLoop.continued_tokens(fresh, 8) == []
     resumed = Trajectory("p", "g", [1], segments=[*fresh.segments, policy([5, 6]), policy([7], version=1)])
-    assert AgentLoop.continued_tokens(resumed) == [5, 6, 7]
+    assert AgentLoop.continued_tokens(resumed, 8) == [5, 6, 7]
+    assert AgentLoop.continued_tokens(resumed, 2) == [6, 7]
 
 
 def test_a_cut_at_a_split_stop_string_keeps_the_routes_of_the_positions_it_forwarded(tokenizer):

@@ -359,21 +359,23 @@ def test_honest_tiny_dcp_loads_exactly(tmp_path):
     assert torch.equal(state["w"], torch.arange(12.0).reshape(3, 4)) and state["obj"] == {"a": [1, 2], "b": "x"}
 
 
+def reader_of(root: Path, name: str):
+    """What reads checkpoint file `name` of the directory `root` (a shard: the whole tiny DCP load)."""
+    from asyncrl.trainer.safe_checkpoint import load_weights_only, read_dcp_metadata, read_trainer_state
+
+    return {"trainer_state.json": lambda: read_trainer_state(root), ".metadata": lambda: read_dcp_metadata(root / name),
+            "common.pt": lambda: load_weights_only(root / name), "__0_0.distcp": lambda: load_tiny_dcp(root)}[name]
+
+
 @pytest.mark.attack
 @pytest.mark.parametrize("name", ["trainer_state.json", ".metadata", "common.pt"])
 def test_checkpoint_file_linked_to_dev_zero_is_refused(tmp_path, name):
     """(i) A checkpoint file as a symbolic link to /dev/zero: trainer_state.json so linked ran the
     trainer to MemoryError (2.5 GiB). Refused before a byte is read, as is a link to a regular file."""
-    from asyncrl.trainer.safe_checkpoint import (
-        CheckpointRefused,
-        load_weights_only,
-        read_dcp_metadata,
-        read_trainer_state,
-    )
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
 
-    load = {"trainer_state.json": lambda: read_trainer_state(tmp_path), ".metadata": lambda: read_dcp_metadata(path),
-            "common.pt": lambda: load_weights_only(path)}[name]
     path = tmp_path / name
+    load = reader_of(tmp_path, name)
     for target in ("/dev/zero", tmp_path / "elsewhere"):
         (tmp_path / "elsewhere").write_bytes(torch_saved({"x": 1}))
         path.unlink(missing_ok=True)
@@ -390,12 +392,7 @@ def test_checkpoint_file_linked_to_dev_zero_is_refused(tmp_path, name):
 def test_checkpoint_file_that_is_not_a_regular_file_is_refused(tmp_path, name, kind):
     """(j) A checkpoint file that is a FIFO (opening it waited for a writer forever), a device (a
     copy of /dev/zero's node) or a directory: refused without reading, or opening a FIFO or device."""
-    from asyncrl.trainer.safe_checkpoint import (
-        CheckpointRefused,
-        load_weights_only,
-        read_dcp_metadata,
-        read_trainer_state,
-    )
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
 
     root = tiny_dcp(tmp_path / "ckpt")
     path = root / name
@@ -405,8 +402,7 @@ def test_checkpoint_file_that_is_not_a_regular_file_is_refused(tmp_path, name, k
          "character device": lambda: os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))}[kind]()
     except PermissionError:
         pytest.skip(f"this machine lets no one here make a {kind}")
-    load = {"trainer_state.json": lambda: read_trainer_state(root), ".metadata": lambda: read_dcp_metadata(path),
-            "common.pt": lambda: load_weights_only(path), "__0_0.distcp": lambda: load_tiny_dcp(root)}[name]
+    load = reader_of(root, name)
     with pytest.raises(CheckpointRefused) as info:
         load()
     assert str(info.value) == (f"checkpoint {path} refused: it is a {kind}; "

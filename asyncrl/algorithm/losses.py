@@ -109,26 +109,15 @@ def policy_loss(
         count = torch.zeros(n, device=logp.device).index_add_(0, seq_index, mask)
         seq_log_r = torch.zeros(n, device=logp.device, dtype=log_r.dtype).index_add_(0, seq_index, log_r)
         ratio = torch.exp(seq_log_r / count.clamp(min=1))[seq_index]
-        lo, hi = settings.seq_clip_eps_low, settings.seq_clip_eps_high
-        unclipped = ratio * advantages
-        clipped_obj = ratio.clamp(1 - lo, 1 + hi) * advantages
-        per_token = -torch.minimum(unclipped, clipped_obj)
-        clipped = (clipped_obj < unclipped) & trained
-        sums["clip_low"] = ((ratio < 1 - lo) & (advantages < 0) & trained).sum()
-        sums["clip_high"] = ((ratio > 1 + hi) & (advantages > 0) & trained).sum()
+        per_token, clipped = _ppo_clip(ratio, advantages, settings.seq_clip_eps_low, settings.seq_clip_eps_high,
+                                       trained, sums)
         w = torch.ones_like(ratio)
     else:
         anchor = mu if settings.type == "grpo" else prox
         if anchor is None:
             raise ValueError(f"{settings.type} needs the proximal logprobs (prox)")
         ratio = torch.exp(logp - anchor)
-        unclipped = ratio * advantages
-        clipped_obj = ratio.clamp(1 - eps_lo, 1 + eps_hi) * advantages
-        per_token = -torch.minimum(unclipped, clipped_obj)
-        # A token is clipped when the clamp, not the ratio, sets its objective (no gradient).
-        clipped = (clipped_obj < unclipped) & trained
-        sums["clip_low"] = ((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum()
-        sums["clip_high"] = ((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum()
+        per_token, clipped = _ppo_clip(ratio, advantages, eps_lo, eps_hi, trained, sums)
         if settings.type == "decoupled_ppo":
             raw_w = torch.exp(prox - mu)
             w = raw_w.clamp(max=cap)
@@ -169,3 +158,14 @@ def policy_loss(
 
     loss = (per_token * weights * mask).sum()
     return LossOutput(loss=loss, sums=sums, maxima=maxima, tokens=mask.sum())
+
+
+def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, eps_lo: float, eps_hi: float, trained: torch.Tensor,
+              sums: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped per-token loss -min(r A, clip(r, 1-eps_lo, 1+eps_hi) A), and which trained
+    tokens the clamp, not the ratio, sets (no gradient); counts both kinds of clipping in `sums`."""
+    unclipped = ratio * advantages
+    clipped_obj = ratio.clamp(1 - eps_lo, 1 + eps_hi) * advantages
+    sums["clip_low"] = ((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum()
+    sums["clip_high"] = ((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum()
+    return -torch.minimum(unclipped, clipped_obj), (clipped_obj < unclipped) & trained
