@@ -33,15 +33,14 @@ ray.get(ray.remote(lambda: 1).remote())
 session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
 
 
-def agent_serving():  # the dashboard agent starts its servers after the node is up, its HTTP one last
-    ports = [int(f.read_text()) for f in session.glob("dashboard_agent_listen_port_*") if f.read_text().strip()]
-    return bool(ports) and any(c.status == psutil.CONN_LISTEN and c.laddr.port == ports[0]
-                               for c in psutil.net_connections("inet"))
+def agent_serving():  # the dashboard agent records its HTTP port (-1: none) once its modules (the
+    # metrics exporter among them) are up; the port may be taken by another cluster of the machine
+    return any(f.read_text().strip() for f in session.glob("dashboard_agent_listen_port_*"))
 
 
 deadline = time.monotonic() + 120
 while not agent_serving():
-    assert time.monotonic() < deadline, "the dashboard agent never served"
+    assert time.monotonic() < deadline, "the dashboard agent never started"
     time.sleep(0.2)
 tree = {p.pid: " ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)} | {os.getpid(): "driver"}
 listening = sorted({(c.laddr.ip, c.laddr.port, tree[c.pid]) for c in psutil.net_connections("inet")
