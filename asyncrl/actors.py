@@ -1,6 +1,6 @@
 """The one place that creates actors from a config: engines, rollout workers, the message
-queue, the trainer ranks and the weight-sync group, each with its Ray options (names for
-the dashboard, CPUs, GPUs, concurrency) and, in a run, its placement-group bundle.
+queue, the trainer ranks, the weight-sync group and the run's RunControl, each with its Ray
+options (names for the dashboard, CPUs, GPUs, concurrency) and, in a run, its placement-group bundle.
 
 The driver, `asyncrl eval`, the benchmarks and the tests all build their actors here, so
 an actor is started the same way wherever it runs. Every actor is a plain class wrapped
@@ -25,24 +25,33 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
 from asyncrl.clock import Clock
 from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
+from asyncrl.control.run_control import RunControl
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.sim_engine import SimEngine
+from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.reward.reward_model import RewardModelActor, RewardModelSettings
+from asyncrl.rollout.admission import StalenessController
+from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.sync.collective import broadcast_backend
-from asyncrl.sync.weight_sync import WeightSync
+from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec
 
 Options = dict[str, Any]  # extra Ray actor options (a placement-group bundle)
+# Handles of the actors with one implementation (the others': asyncrl.interfaces).
+RolloutWorkerHandle = ActorHandle[RolloutWorker]
+RunControlHandle = ActorHandle[RunControl]
 
 
 class PlacementError(RuntimeError):
@@ -56,6 +65,8 @@ class Placement:
     engine: list[Options] = field(default_factory=list)
     trainer: list[Options] = field(default_factory=list)
     worker: list[Options] = field(default_factory=list)
+    reward_model: list[Options] = field(default_factory=list)
+    judge: list[Options] = field(default_factory=list)
     group: Any = None  # the placement group, removed by `remove_placement`
     names: list[str] = field(default_factory=list)  # each bundle's actor, as the dashboard names it
 
@@ -80,12 +91,6 @@ def trainer_world_size(cfg: Config) -> int:
     if t.backend == "sim":
         return 1
     return t.tensor_parallel_size * t.pipeline_parallel_size * t.data_parallel_size
-
-
-def queue_capacity(cfg: Config) -> int:
-    """Room for every group staleness control can admit ahead of the trainer, plus one step."""
-    a = cfg.algorithm
-    return (a.max_staleness + 1) * a.sync_every_steps * a.prompts_per_step + a.prompts_per_step
 
 
 def engine_concurrency(cfg: Config, engines: int | None = None) -> int:
@@ -147,14 +152,15 @@ def engine_resources(cfg: Config) -> dict[str, float]:
 
 def _roles(cfg: Config, engines: int | None = None) -> list[tuple[str, dict[str, float]]]:
     """Each bundle of the run's placement group, with its role: the engines', the trainer ranks',
-    the rollout workers'."""
-    gpu = cfg.cluster.device == "cuda"
-    t = cfg.trainer
+    the rollout workers', the reward model's replicas', the judge's engines'."""
+    gpu = {"GPU": 1} if cfg.cluster.device == "cuda" else {}
+    t, m, j = cfg.trainer, cfg.reward.model, cfg.reward.judge
     return ([("engine", engine_resources(cfg))] * (cfg.engine.num_engines if engines is None else engines)
-            + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **({"GPU": 1} if gpu else {})})]
-            * trainer_world_size(cfg)
+            + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **gpu})] * trainer_world_size(cfg)
             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
-            * cfg.rollout.num_workers)
+            * cfg.rollout.num_workers
+            + [("reward_model", {"CPU": m.num_cpus_per_actor, **gpu})] * (m.num_actors if m.path else 0)
+            + [("judge", {"CPU": j.num_cpus_per_engine, **gpu})] * (j.num_engines if j.path else 0))
 
 
 def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float]:
@@ -167,7 +173,8 @@ def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float
 
 
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
-    """One placement group (PACK): a bundle per engine, trainer rank and rollout worker.
+    """One placement group (PACK): a bundle per engine, trainer rank, rollout worker, reward model
+    replica and judge engine.
     Raises PlacementError when the cluster lacks the resources, naming what to lower."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -180,15 +187,15 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
         raise PlacementError("not enough cluster resources for this config: " + ", ".join(
             f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
             + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
-              "or the number of engines / workers / ranks; custom resources of engine/trainer/rollout.resources "
-              "come from the nodes' `ray start --resources`)")
+              "reward.model.num_cpus_per_actor, or the number of engines / workers / ranks; custom resources "
+              "of engine/trainer/rollout.resources come from the nodes' `ray start --resources`)")
     pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
     ray.get(pg.ready(), timeout=timeout_s)
     placement = Placement(group=pg)
     for i, (role, _) in enumerate(roles):
         slots = getattr(placement, role)
-        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(role, role),
-                                     len(slots), 0))
+        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank",
+                                      "reward_model": "reward-model"}.get(role, role), len(slots), 0))
         slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement
@@ -238,14 +245,14 @@ def engine_options(cfg: Config, engine_id: int, restart: int = 0) -> Options:
 
 
 def create_engines(cfg: Config, slots: list[Options] | None = None, stream: bool | None = None,
-                   engine_class: type | None = None) -> list:
+                   engine_class: type | None = None) -> list[EngineHandle]:
     """`engine.num_engines` engines, not started yet (`start_engines`). `stream`: whether
     they stream per-token outputs (default: as `algorithm.pause_mode` needs)."""
     return [create_engine(cfg, i, slot(slots, i), stream, engine_class) for i in range(cfg.engine.num_engines)]
 
 
 def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stream: bool | None = None,
-                  engine_class: type | None = None, restart: int = 0) -> Any:
+                  engine_class: type | None = None, restart: int = 0) -> EngineHandle:
     """One engine, `engine-<engine_id>` on the dashboard, not started yet: an EngineActor (vLLM), a
     SimEngine (engine.backend=sim) or `engine_class`."""
     stream = engines_stream(cfg.algorithm.pause_mode) if stream is None else stream
@@ -267,7 +274,7 @@ def create_engine(cfg: Config, engine_id: int, slot: Options | None = None, stre
                     **extra))
 
 
-def start_engines(engines: list) -> list[EngineStartInfo]:
+def start_engines(engines: list[EngineHandle]) -> list[EngineStartInfo]:
     """Start vLLM in every engine at once; returns each engine's start report."""
     return ray.get([e.start.remote() for e in engines])
 
@@ -283,11 +290,11 @@ def create_local_engine(cfg: Config, stream: bool = False) -> EngineActor:
 
 # -- queue and rollout workers ----------------------------------------------------------
 
-def create_queue(cfg: Config, capacity: int | None = None, restart: int = 0) -> Any:
+def create_queue(cfg: Config, capacity: int | None = None, restart: int = 0) -> QueueHandle:
     """The message queue, `message-queue` on the dashboard; it holds no CPU (it only waits)."""
     name = "message-queue" + (f".r{restart}" if restart else "")
     return ray.remote(MessageQueue).options(name=name, num_cpus=0, max_concurrency=1000).remote(
-        capacity or queue_capacity(cfg))
+        capacity or StalenessController.of(cfg.algorithm).queue_capacity())
 
 
 def rollout_worker_options(cfg: Config, worker_id: int, restart: int = 0) -> Options:
@@ -295,19 +302,64 @@ def rollout_worker_options(cfg: Config, worker_id: int, restart: int = 0) -> Opt
             "max_concurrency": 1000}
 
 
-def create_rollout_workers(cfg: Config, engines: list, queue: Any | None, slots: list[Options] | None = None,
-                           sampling: SamplingSpec | None = None, restart: int = 0) -> list:
+def create_rollout_workers(cfg: Config, engines: list[EngineHandle | None], queue: QueueHandle | None,
+                           slots: list[Options] | None = None, sampling: SamplingSpec | None = None,
+                           restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
+                           judges: list[EngineHandle] | None = None) -> list[RolloutWorkerHandle]:
     """`rollout.num_workers` RolloutWorkers over these engines, emitting groups to `queue`
-    (None: each keeps its groups for `take_groups`)."""
-    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart)
+    (None: each keeps its groups for `take_groups`), scoring with `reward_models` and `judges`
+    (the run's reward services) too if given."""
+    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart, reward_models, judges)
             for i in range(cfg.rollout.num_workers)]
 
 
-def create_rollout_worker(cfg: Config, worker_id: int, engines: list, queue: Any | None, slot: Options | None = None,
-                          sampling: SamplingSpec | None = None, restart: int = 0) -> Any:
+def create_rollout_worker(cfg: Config, worker_id: int, engines: list[EngineHandle | None], queue: QueueHandle | None,
+                          slot: Options | None = None, sampling: SamplingSpec | None = None,
+                          restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
+                          judges: list[EngineHandle] | None = None) -> RolloutWorkerHandle:
     """One RolloutWorker, `rollout-worker-<worker_id>` on the dashboard (a replacement: `.rN`)."""
     return (ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, worker_id, restart), **(slot or {}))
-            .remote(worker_id, cfg, engines, queue, None, sampling))
+            .remote(worker_id, WorkerSettings.of(cfg), engines, agents_of(cfg), queue, sampling,
+                    reward_models=reward_models, judges=judges))
+
+
+def create_reward_model(cfg: Config, index: int, slot: Options | None = None, restart: int = 0
+                        ) -> RewardModelHandle:
+    """Replica `index` of the run's reward model (reward.model), `reward-model-<index>` on the
+    dashboard, in its bundle `slot`: reward.model.num_cpus_per_actor CPUs (and a GPU on GPUs)."""
+    m = cfg.reward.model
+    opts: Options = {"name": _name("reward-model", index, restart), "num_cpus": m.num_cpus_per_actor,
+                     "max_concurrency": 1000, **({"num_gpus": 1} if cfg.cluster.device == "cuda" else {})}
+    return ray.remote(RewardModelActor).options(**opts, **(slot or {})).remote(RewardModelSettings.of(cfg))
+
+
+def create_judge_engine(cfg: Config, index: int, slot: Options | None = None, restart: int = 0) -> EngineHandle:
+    """The judge's engine `index` (reward.judge), `judge-<index>` on the dashboard, in its bundle
+    `slot`, not started yet: an EngineActor serving reward.judge.path with the run's engine settings,
+    never in a weight sync (so never paused)."""
+    j = cfg.reward.judge
+    opts: Options = {"name": _name("judge", index, restart), "num_cpus": j.num_cpus_per_engine,
+                     "max_concurrency": 10_000}
+    return (ray.remote(EngineActor).options(**opts, **(slot or {}))
+            .remote(index, j.path, "", cfg.engine, cfg.cluster.device, False))
+
+
+def create_judge_engines(cfg: Config, slots: list[Options] | None = None) -> list[EngineHandle]:
+    """The judge's engines (none without reward.judge.path), started."""
+    if not cfg.reward.judge.path:
+        return []
+    engines = [create_judge_engine(cfg, i, slot(slots, i)) for i in range(cfg.reward.judge.num_engines)]
+    start_engines(engines)
+    return engines
+
+
+def create_reward_models(cfg: Config, slots: list[Options] | None = None) -> list[RewardModelHandle]:
+    """The reward model's replicas (none without reward.model.path), loaded."""
+    if not cfg.reward.model.path:
+        return []
+    replicas = [create_reward_model(cfg, i, slot(slots, i)) for i in range(cfg.reward.model.num_actors)]
+    ray.get([r.health.remote() for r in replicas])
+    return replicas
 
 
 # -- trainer and weight sync -------------------------------------------------------------
@@ -328,14 +380,22 @@ def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: 
     world = trainer_world_size(cfg)
     rank_class = rank_class or (SimTrainerRank if cfg.trainer.backend == "sim" else TrainerRank)
     ranks = [ray.remote(rank_class).options(**trainer_rank_options(cfg, r, restart), **slot(slots, r))
-             .remote(cfg, r, world) for r in range(world)]
+             .remote(TrainerSettings.of(cfg), r, world) for r in range(world)]
     return TrainerGroup(ranks)
 
 
-def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list) -> WeightSync:
+def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list[EngineHandle]) -> WeightSync:
     """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers, or the
     shared region where they share its host or GPU (not connected yet: `connect()`). Simulated
     backends broadcast (their broadcast is a wait of its simulated time)."""
     sim = cfg.trainer.backend == "sim" or cfg.engine.backend == "sim"
     return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s,
                       Clock(cfg.cluster.time_scale), "broadcast" if sim else cfg.trainer.weight_sync_transport)
+
+
+# -- the run's mailbox -------------------------------------------------------------------
+
+def create_run_control(name: str, namespace: str) -> RunControlHandle:
+    """The run's RunControl (`asyncrl scale`, `asyncrl stop`), named `name` in `namespace` (the
+    run's own: asyncrl.control.run_control announces both); it holds no CPU (it only keeps a request)."""
+    return ray.remote(RunControl).options(name=name, namespace=namespace, num_cpus=0).remote()

@@ -50,14 +50,15 @@ from asyncrl.control.step_metrics import (
     step_metrics,
 )
 from asyncrl.control.supervisor import Supervisor
+from asyncrl.control.weight_sync import EnginesFailed
 from asyncrl.control.worker_pool import WorkerPool, kill
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
-from asyncrl.messages import Admitted, FaultEvent, QueueStats, error_line
+from asyncrl.interfaces import QueueHandle
+from asyncrl.messages import FaultEvent, QueueStats, error_line
 from asyncrl.monitoring.run_log import RunLog, eval_overlap
 from asyncrl.rollout.trust import model_limits
-from asyncrl.sync.weight_sync import EnginesFailed
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused
-from asyncrl.trainer.trainer_group import TrainerRankDied
+from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 __all__ = ["Driver", "TrainingError", "run_training"]
 
@@ -79,8 +80,8 @@ class Driver:
         self.workers: WorkerPool | None = None
         self.supervisor: Supervisor | None = None
         self.elastic: Elastic | None = None
-        self.queue = None
-        self.trainer = None  # a TrainerGroup
+        self.queue: QueueHandle | None = None
+        self.trainer: TrainerGroup | None = None
         self.placement = actors.Placement()
         self.base_eval: EvalResult | None = None
         self.log: RunLog | None = None
@@ -110,16 +111,18 @@ class Driver:
             logger.info("engine-%d: started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
                         info.start_s, info.rss_gib, info.cpu_cores, info.vllm_processes)
         self.queue = actors.create_queue(cfg)
-        self.workers = WorkerPool(cfg, self.queue, self.engines.routed, self.placement.worker)
+        self.workers = WorkerPool(cfg, self.queue, self.engines.routed, self.placement.worker,
+                                  reward_slots={"reward_model": self.placement.reward_model,
+                                                "judge": self.placement.judge})
         self.engines.connect(self.trainer)
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
         self.heldout = self.agents.heldout(cfg.eval.num_problems)
-        self.evals = PeriodicEvaluation(cfg, self.agents, self.agents.heldout(
+        self.evals = PeriodicEvaluation(cfg.eval, cfg.trainer.total_steps, self.agents, self.agents.heldout(
             min(cfg.eval.periodic_num_problems or cfg.eval.num_problems, cfg.eval.num_problems)))
-        self.prompts = Prompts(cfg, self.agents, self.workers, self.queue)
-        self.supervisor = Supervisor(cfg, self.run_dir, self.engines, self.workers, lambda: self.step,
+        self.prompts = Prompts(cfg.algorithm, cfg.trainer.dist_timeout_s, self.agents, self.workers, self.queue)
+        self.supervisor = Supervisor(cfg.run, self.run_dir, self.engines, self.workers, lambda: self.step,
                                      self.prompts.restart_lost)
-        self.elastic = Elastic(cfg, self.run_dir, self.engines, self.workers, self.supervisor)
+        self.elastic = Elastic(cfg.engine.autoscale, self.run_dir, self.engines, self.workers, self.supervisor)
         if cfg.run.resume_from:
             path = Path(cfg.run.resume_from)
             if cfg.run.resume_from == "latest":
@@ -136,7 +139,7 @@ class Driver:
             self.supervisor.record(event)
             return
         logger.info("ready in %.0fs (trainer: %s); evaluating the base policy", time.monotonic() - t0, trainer_info)
-        self.base_eval = evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout)
+        self.base_eval = evaluate_with_workers(cfg.eval, self.workers.handles, self.agents, self.heldout)
         logger.info("base policy: %s", self.base_eval.summary())
         self.log.log(0, {**eval_metrics(self.base_eval, self.engine_version), "setup_s": time.monotonic() - t0})
 
@@ -153,6 +156,7 @@ class Driver:
                 break
             try:
                 self.supervisor.check_health()
+                self.prompts.check(self.admission_version)  # after the health check: the dead hold nothing
                 self._train_step()
             except TrainerRankDied as e:
                 self._restart_trainer(str(e))
@@ -170,7 +174,7 @@ class Driver:
         if result.staleness_max > cfg.algorithm.max_staleness:
             raise TrainingError(f"invariant broken: a trained token is {result.staleness_max} versions old, "
                                 f"algorithm.max_staleness={cfg.algorithm.max_staleness}")
-        trained = self.prompts.finish(groups)
+        trained = self.prompts.finish(groups, result.filtered)
         metrics: dict[str, Any] = {**result.metrics,
                                    **batch_metrics(groups, stale, trained, multi_task=len(self.agents.weights) > 1)}
         step_samples = sum(len(g.trajectories) for g in groups)
@@ -184,10 +188,8 @@ class Driver:
         self.prompts.admit(self.admission_version)
         now, queue_stats = self._clocks()
         metrics.update({
-            "policy/version": self.version, "batch/dropped_stale": len(stale),
-            "batch/duplicates_dropped": self.prompts.duplicates_dropped,
-            "throughput/samples_per_s": step_samples / (now.time - self._last.time),
-            "progress/samples": self.samples, "progress/admitted": self.prompts.staleness.admitted,
+            "policy/version": self.version, "batch/dropped_stale": len(stale), **self.prompts.metrics(),
+            "throughput/samples_per_s": step_samples / (now.time - self._last.time), "progress/samples": self.samples,
             **step_metrics(self._last, now, waited, actors.engine_concurrency(cfg, len(self.engines.live()))),
             **now.rollout, **queue_stats.metrics(), **self.supervisor.metrics(),
             "progress/train_s": now.time - self._started - self.eval_s,  # the clock of run.max_train_s
@@ -277,7 +279,8 @@ class Driver:
         self.trainer = actors.create_trainer(self.cfg, self.placement.trainer, restart=n)
         self.trainer.setup()
         t1 = time.monotonic()
-        self.queue = self.prompts.queue = actors.create_queue(self.cfg, restart=n)
+        self.queue = actors.create_queue(self.cfg, restart=n)
+        self.prompts.use_queue(self.queue)
         self.workers.restart_all(self.queue, self.engines.routed, self.supervisor.restarts["rollout_worker"] + n)
         self.engines.connect(self.trainer)
         t2 = time.monotonic()
@@ -295,12 +298,11 @@ class Driver:
         path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
         pending, queue_state = take_snapshots(self.workers, self.engines, self.queue, self.supervisor.check_health)
         state = RunState(step=self.step, version=self.version, samples=self.samples,
-                         admitted=self.prompts.staleness.admitted, problem_stream=self.agents.state(),
-                         base_eval=self.base_eval, trained_prompts=list(self.prompts.trained),
+                         problem_stream=self.agents.state(), base_eval=self.base_eval,
                          syncs_deferred=self.evals.syncs_deferred)
         self.trainer.save_checkpoint(str(path))
         self.trainer.export_hf(str(path / "hf"))  # `asyncrl eval CHECKPOINT` reads this
-        RunCheckpoint(state, queue_state, pending, self.prompts.ledger).write(path)
+        RunCheckpoint(state, queue_state, pending, self.prompts.state()).write(path)
         logger.info("checkpoint: %s (%d groups queued, %d unfinished with %d loop snapshots)", path,
                     len(queue_state.groups), len(pending), sum(len(g.snapshots) for g in pending))
         return str(path)
@@ -319,45 +321,33 @@ class Driver:
         if trainer_step != state.step:
             raise TrainingError(f"{path}: the trainer's state is of step {trainer_step}, the run's of {state.step}")
         self.step, self.version, self.samples = state.step, state.version, state.samples
-        self.evals.syncs_deferred = state.syncs_deferred
-        self.prompts.staleness.admitted = state.admitted
+        self.evals.restore(state.syncs_deferred)
         self.agents.restore(state.problem_stream)
         self.base_eval = state.base_eval
-        self.prompts.trained = list(state.trained_prompts)
         if self.cfg.trainer.backend == "megatron":  # (a simulated run's tokens are no model's)
             drop_untrainable(saved.queue, model_limits(self.cfg.model.path))
         ray.get(self.queue.restore.remote(saved.queue))
-        self.prompts.ledger = ledger = saved.ledger
         # The engines get the restored weights (a policy lag starts again from them).
         self.engine_version = self.engines.sync.sync(self.version, self.cfg.algorithm.pause_mode,
                                                      newest=True).engine_version
         self.engines.route_joined(self.workers, self.version)
-        pending = saved.loops
-        answer = self.workers.restore(pending, [self.agents.problem_by_id(g.prompt_id) for g in pending])
-        queued = {g.prompt_id for g in saved.queue.groups}
-        restart = [self.agents.problem_by_id(p)
-                   for p in sorted(ledger.running() - queued - {g.prompt_id for g in pending})]
-        if restart:
-            answer = Admitted.merge([answer, self.workers.submit(restart)])
-        for prompt_id, failure in answer.rejected.items():  # refused now (e.g. a smaller context)
-            if ledger.states.get(prompt_id) == "running":
-                ledger.finish(prompt_id, "failed", failure.code)
+        pending, queued = saved.loops, {g.prompt_id for g in saved.queue.groups}
+        restarted = self.prompts.resume(saved.prompts, self.admission_version, queued, pending)
         loops, kept = sum(len(g.snapshots) for g in pending), sum(g.generated_tokens() for g in pending)
         logger.info("resumed from %s: step %d, version %d, %d groups queued, %d loops continue from their "
                     "snapshots (%d tokens kept), %d prompts restarted", path, self.step, self.version, len(queued),
-                    loops, kept, len(restart))
-        return loops, len(restart), kept
+                    loops, kept, restarted)
+        return loops, restarted, kept
 
     def finish(self, wall_start: float) -> dict[str, Any]:
         """Final evaluation (with pass@k), HF export, summary.json."""
         self.supervisor.end_starting()  # the run ends with the engines starting in, unless unplaceable
         if last := self.evals.after_step(self.step, self.workers.handles, self.engine_version, block=True):
             self.log.log(self.step, last)  # the one still running
-        if self.evals.holding:  # the last steps' weights, held back for that evaluation
-            self.evals.holding = 0
+        if self.evals.release_held():  # the last steps' weights, held back for that evaluation
             self.log.log(self.step, self._sync())
         self._newest_policy_to_engines()
-        final_eval = evaluate_with_workers(self.cfg, self.workers.handles, self.agents, self.heldout)
+        final_eval = evaluate_with_workers(self.cfg.eval, self.workers.handles, self.agents, self.heldout)
         self.log.log(self.step, eval_metrics(final_eval, self.engine_version))
         export = self.trainer.export_hf(str(self.run_dir / "final_policy"))
         if self.cfg.trainer.checkpoint_every:
@@ -368,9 +358,8 @@ class Driver:
             "base_pass_at_k": self.base_eval.pass_at_k, "final_pass_at_k": final_eval.pass_at_k,
             "wall_s": time.monotonic() - wall_start, "train_s": self.train_s, "steps": self.step,
             "samples": self.samples, "policy_version": self.version, "final_policy": export,
-            "metrics": str(self.log.path), "prompts": self.prompts.counts(),
-            "max_staleness": self.cfg.algorithm.max_staleness, "prompts_trained_twice": self.prompts.trained_twice(),
-            "duplicates_dropped": self.prompts.duplicates_dropped, "eval_overlap": eval_overlap(self.log.records()),
+            "metrics": str(self.log.path), **self.prompts.summary(),
+            "max_staleness": self.cfg.algorithm.max_staleness, "eval_overlap": eval_overlap(self.log.records()),
             "faults": [f.to_dict() for f in self.supervisor.faults],
             "scale_events": [e.to_dict() for e in self.supervisor.scale_events],
             "placement": self.placement.nodes(),  # actor -> the Ray node its bundle is on
@@ -391,7 +380,7 @@ class Driver:
         if self.elastic is not None:
             self.elastic.close()
         if self.workers is not None:
-            self.workers.kill()
+            self.workers.shutdown()
         if self.engines is not None:
             self.engines.shutdown()
         if self.trainer is not None:

@@ -22,6 +22,7 @@ from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.openai_inference import OpenAIInference
 from asyncrl.agents.registry import build_agents
 from asyncrl.config import Config
+from asyncrl.config.schema import EvalConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.tasks import Problem
@@ -58,41 +59,41 @@ class EvalResult:
                 f"[{self.num_problems} problems, n={self.n_samples}, T={self.temperature}, {self.seconds:.0f}s]{envs}")
 
 
-def eval_result(cfg: Config, model: str, responses: list[EvaluationResponse], train_envs: set[str],
+def eval_result(e: EvalConfig, model: str, responses: list[EvaluationResponse], train_envs: set[str],
                 t0: float) -> EvalResult:
     """The run-level result from each env's evaluation: headline figures over the training envs."""
-    pass_k = list(cfg.eval.pass_k)
+    pass_k = list(e.pass_k)
     pooled = EvaluationResponse("train", [r for resp in responses if resp.env_id in train_envs
-                                          for r in resp.results], pass_k, cfg.eval.temperature)
+                                          for r in resp.results], pass_k, e.temperature)
     m = pooled.metrics()
     n = min((len(r.sampled_rewards) for r in pooled.results), default=0)
     return EvalResult(
         model=model, num_problems=len(pooled.results), greedy_accuracy=m.get("greedy_accuracy", 0.0),
         pass_at_k={k: m[f"pass@{k}"] for k in pass_k if f"pass@{k}" in m}, n_samples=n,
-        temperature=cfg.eval.temperature, mean_response_tokens=m.get("mean_response_tokens", 0.0),
+        temperature=e.temperature, mean_response_tokens=m.get("mean_response_tokens", 0.0),
         seconds=time.time() - t0, per_env={resp.env_id: resp.metrics() for resp in responses},
         versions=sorted({v for resp in responses for v in resp.versions}))
 
 
-def evaluate_with_workers(cfg: Config, workers: list, agents: WeightedMultiTask, problems: list[Problem],
+def evaluate_with_workers(e: EvalConfig, workers: list, agents: WeightedMultiTask, problems: list[Problem],
                           with_pass_k: bool = True) -> EvalResult:
     """Evaluation during training, through the rollout workers: every problem runs its agent's
     loop (tool calls included; remote agents on their server) on the running engines, once
     greedily and, with `with_pass_k`, eval.n_samples times at eval.temperature."""
-    return PendingEvaluation(cfg, workers, problems, with_pass_k).result(agents, block=True)
+    return PendingEvaluation(e, workers, problems, with_pass_k).result(agents, block=True)
 
 
 class PendingEvaluation:
     """An evaluation through the rollout workers that runs while the caller goes on (beside
     training: each worker sends at most eval.max_concurrent of its requests at once)."""
 
-    def __init__(self, cfg: Config, workers: list, problems: list[Problem], with_pass_k: bool = True,
+    def __init__(self, e: EvalConfig, workers: list, problems: list[Problem], with_pass_k: bool = True,
                  beside_training: bool = False):
-        self.cfg, self.t0 = cfg, time.time()
-        n = cfg.eval.n_samples if with_pass_k else 0
-        limit = cfg.eval.max_concurrent if beside_training else 0
+        self.eval, self.t0 = e, time.time()
+        n = e.n_samples if with_pass_k else 0
+        limit = e.max_concurrent if beside_training else 0
         shares = [problems[i::len(workers)] for i in range(len(workers))]
-        self.refs = [w.evaluate.remote(share, n, cfg.eval.temperature, list(cfg.eval.pass_k), limit)
+        self.refs = [w.evaluate.remote(share, n, e.temperature, list(e.pass_k), limit)
                      for w, share in zip(workers, shares) if share]
 
     def result(self, agents: WeightedMultiTask, block: bool = False) -> EvalResult | None:
@@ -101,7 +102,8 @@ class PendingEvaluation:
 
         if not block and len(ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[0]) < len(self.refs):
             return None
-        return eval_result(self.cfg, "policy in training", _merge(ray.get(self.refs)), set(agents.weights), self.t0)
+        return eval_result(self.eval, "policy in training", _merge(ray.get(self.refs)), set(agents.weights),
+                           self.t0)
 
 
 def _merge(per_worker: list[list[EvaluationResponse]]) -> list[EvaluationResponse]:
@@ -148,7 +150,7 @@ async def _evaluate(cfg: Config, agents: WeightedMultiTask, problems: list[Probl
         await gateway.stop()
         if engine is not None:
             await engine.shutdown()
-    return eval_result(cfg, model, responses, set(agents.weights), t0)
+    return eval_result(cfg.eval, model, responses, set(agents.weights), t0)
 
 
 class _InProcessEngine(InferenceInterface):

@@ -23,7 +23,9 @@ class Failure:
 
     Codes: empty_prompt, prompt_too_long, unknown_env, unknown_agent_loop, bad_chat_template (a
     row rejected at submit); loop_error, remote_error (a sample that could not be generated); reward_error,
-    reward_timeout (a reward function that raised or hung: reward 0)."""
+    reward_timeout (a reward function that raised or hung: reward 0); reward_model_error,
+    reward_model_timeout, judge_error, judge_timeout, judge_unparsable (the run's reward model or
+    judge failed, hung or answered what its parser cannot read, on a sample: reward 0)."""
 
     code: str
     detail: str = ""
@@ -114,12 +116,14 @@ class StagedWeights:
 
 @dataclass
 class TrainStepResult:
-    """One train step: its metrics (`train/...`, logged as they are) and the oldest trained
-    token's staleness, which the driver checks against the bound."""
+    """One train step: its metrics (`train/...`, logged as they are), the oldest trained
+    token's staleness, which the driver checks against the bound, and the groups that gave no
+    training signal (prompt id -> why: "uniform", "no_usable"), which the prompt account records."""
 
     metrics: dict[str, float]
     staleness_max: int
     tokens: int
+    filtered: dict[str, str] = field(default_factory=dict)
 
 
 # -- weight sync (driver side) ------------------------------------------------------------
@@ -182,6 +186,28 @@ class WorkerStats:
     engine_failovers: int = 0  # requests that ended because their engine failed (their loops moved on)
     pending_tokens: int = 0  # policy tokens held by unfinished groups (finished samples and snapshots)
     cpu_s: float = 0.0  # CPU seconds of the worker's process so far
+    # reward service (reward_model, judge) -> (samples it scored for this worker, the seconds they took)
+    reward_services: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+@dataclass
+class RewardRequest:
+    """A finished sample as a reward model scores it: the prompt (its text, and its messages when
+    it is a conversation) and the response's text."""
+
+    prompt: str
+    response: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class RewardModelStats:
+    """A reward model replica's counters so far."""
+
+    samples: int = 0
+    batches: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0  # seconds in forward passes
 
 
 @dataclass
@@ -219,7 +245,8 @@ class FaultEvent:
     """One fault the driver recovered from: what died, when it was seen, how long each phase of
     the recovery took, and what it cost (prompts started again, generated tokens thrown away)."""
 
-    kind: str  # engine | rollout_worker | trainer | run (the run was stopped and resumed from a checkpoint)
+    # engine | rollout_worker | reward_model | judge | trainer | run (the run was stopped and resumed from a checkpoint)
+    kind: str
     actor: str  # its dashboard name
     step: int  # the train step during which it was found
     error: str

@@ -21,8 +21,9 @@ import sys
 
 from agent_loops import any_uses_tools
 from agent_loops.tools import SandboxUnavailable, check_sandbox
+from asyncrl.agents.http_guard import ServerLimits, uvicorn_config
 from asyncrl.agents.registry import build_agents
-from asyncrl.agents.server import InferenceHosts, ServerLimits, create_app, uvicorn_config
+from asyncrl.agents.server import InferenceHosts, create_app
 from asyncrl.run_config import load_config_file
 
 logger = logging.getLogger(__name__)

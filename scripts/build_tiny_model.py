@@ -10,8 +10,10 @@ untied; mistral — Llama's architecture under its own model_type, no sliding wi
 qwen3_moe — 8 experts, top-2, top-k probabilities renormalised, QK-norm; mixtral — 8 experts,
 top-2 (always renormalised), HF's block_sparse_moe names; qwen2_moe — 8 routed experts, top-2 NOT
 renormalised (Qwen1.5/Qwen2-MoE's setting), a shared expert (MLP 128) behind its sigmoid gate,
-QKV bias. All: hidden 128, 2 layers, MLP 256 (experts 64), fp32 safetensors (~1.5-2.7 MB), built
-in seconds.
+QKV bias; deepseek_v3 — multi-head latent attention, a dense first layer, then 8 routed experts
+in 2 groups chosen by sigmoid score plus a correction bias, and an ungated shared expert. All:
+hidden 128, 2 layers (deepseek_v3: 3, the first dense), MLP 256 (experts 64), fp32 safetensors
+(~1.5-4.4 MB), built in seconds.
 
 The weights are random, not trained, and deliberately not HF's init: every weight is drawn at
 a scale where attention is far from uniform (so rope errors show in the logits), and norm
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -47,7 +50,7 @@ from transformers import (
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 VOCAB_MULTIPLE = 64
 
 
@@ -95,13 +98,34 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
                               router_aux_loss_coef=0.001,
                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if arch == "deepseek_v3":
+        # DeepSeek-V3's layout at the tiny size: multi-head latent attention (queries through a
+        # low-rank q_a/q_b pair with its norm, keys and values from a 512-wide latent plus a 64-wide
+        # shared rope key: vLLM-CPU's MLA kernel takes only 512 + 64), rope on interleaved pairs;
+        # a dense first layer (MLP 256), then 2 sparse ones: 8 routed experts in 2 groups, top-2 from
+        # the best group, sigmoid scores plus a per-expert correction bias for the choice,
+        # renormalised and scaled by routed_scaling_factor; one ungated shared expert. No
+        # multi-token-prediction layer.
+        common = {**common, "num_hidden_layers": 3}
+        return DeepseekV3Config(**{k: v for k, v in common.items() if k != "num_key_value_heads"},
+                                num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512,
+                                qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, first_k_dense_replace=1, num_mtp_layers=0,
+                                rope_interleave=True, attention_bias=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                # DeepSeek's own config keys, which HF's class ignores (it always
+                                # routes so) and vLLM reads (without them: softmax, no bias)
+                                topk_method="noaux_tc", scoring_func="sigmoid")
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 
 
 @torch.no_grad()
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Draw every parameter from `seed`, in name order: linear weights N(0, 1/fan_in), the
-    embedding N(0, 1), norm weights 1 + N(0, 0.2^2), biases N(0, 0.2^2)."""
+    embedding N(0, 1), norm weights 1 + N(0, 0.2^2), biases (and DeepSeek's router correction
+    bias) N(0, 0.2^2)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
@@ -113,6 +137,12 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise)
         else:
             p.copy_(noise / math.sqrt(p.shape[1]))
+    # DeepSeek-V3's expert-choice correction bias is a buffer (HF starts it at 0, which would hide
+    # one never loaded); its own generator keeps the other families' bytes as they were.
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.2 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def build(arch: str, out: str | Path, seed: int = 0) -> Path:

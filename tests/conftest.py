@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -83,6 +84,16 @@ def base_model() -> Path:
     if not (BASE_MODEL / "config.json").is_file():
         pytest.fail(f"{BASE_MODEL} is missing; build it with `python scripts/build_base_model.py`")
     return BASE_MODEL
+
+
+@pytest.fixture(scope="session")
+def reward_model(base_model, tmp_path_factory) -> Path:
+    """A reward model (reward.model.path): the base model's transformer with a seeded random score
+    head (scripts/build_reward_model.py; ~3 s)."""
+    spec = importlib.util.spec_from_file_location("build_reward_model", REPO / "scripts" / "build_reward_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(base_model, tmp_path_factory.mktemp("reward_model") / "reward_model", seed=0)
 
 
 @pytest.fixture(scope="session")

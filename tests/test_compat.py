@@ -1,4 +1,4 @@
-"""The private vLLM, mbridge and megatron-core APIs that asyncrl reaches into (listed by
+"""The private vLLM, mbridge, megatron-core, torch and uvicorn APIs that asyncrl reaches into (listed by
 its compat modules) still exist, and the installed versions are the ones those modules
 were checked against: an upgrade fails here until someone re-reads them.
 
@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl import torch_compat
+from asyncrl.agents import uvicorn_compat
 from asyncrl.engine import vllm_compat
 from asyncrl.trainer import mbridge_compat, megatron_cpu
 
 REPO = Path(__file__).resolve().parents[1]
-COMPAT_MODULES = [vllm_compat, mbridge_compat, megatron_cpu]
+COMPAT_MODULES = [vllm_compat, mbridge_compat, megatron_cpu, uvicorn_compat, torch_compat]
 
 NAMES = [(m.__name__, module, path) for m in COMPAT_MODULES for module, path in m.PRIVATE_NAMES]
 FACTS = [(m.__name__, module, path, text) for m in COMPAT_MODULES for module, path, text in m.SOURCE_FACTS]

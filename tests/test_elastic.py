@@ -57,10 +57,8 @@ class Pool:
 
 
 def elastic(pool: Pool, rule: AutoscaleConfig, requests: list):
-    cfg = load_config(["recipe=arith"])
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, autoscale=rule))
     recorded = []
-    return Elastic(cfg, None, pool, None, SimpleNamespace(record=recorded.append),
+    return Elastic(rule, None, pool, None, SimpleNamespace(record=recorded.append),
                    take_request=lambda: requests.pop(0) if requests else ControlRequest()), recorded
 
 

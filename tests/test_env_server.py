@@ -91,12 +91,13 @@ def test_authorized_requests_list_envs_and_problems_without_answers(server):
 
 def test_a_remote_agent_gets_a_problems_messages_and_tools(server, monkeypatch):
     from agent_loops.tools.schemas import tool_schemas
+    from asyncrl.agents.api import AgentSettings
     from asyncrl.agents.remote import RemoteAgent, RemoteParams
     from asyncrl.config.schema import AgentConfig, Config
 
     monkeypatch.setenv("ASYNCRL_ENV_TOKEN", TOKEN)
     remote = RemoteAgent(AgentConfig(env_id="chat", type="remote"),
-                         RemoteParams(url=server, remote_env_id="word_problems_chat"), Config())
+                         RemoteParams(url=server, remote_env_id="word_problems_chat"), AgentSettings.of(Config()))
     problem = remote.problems("heldout")[0]
     assert problem.messages == [{"role": "system", "content": "Use the calculator when it helps."},
                                 {"role": "user", "content": problem.prompt}]
@@ -190,13 +191,14 @@ def test_the_server_bodies_are_the_request_types_a_remote_agent_sends():
 def test_a_remote_agent_is_served_problems_groups_and_a_greedy_only_evaluation(server, monkeypatch):
     from types import SimpleNamespace
 
+    from asyncrl.agents.api import AgentSettings
     from asyncrl.agents.remote import RemoteAgent, RemoteParams
     from asyncrl.config.schema import AgentConfig, Config
     from asyncrl.inference.protocol import Endpoint
 
     monkeypatch.setenv("ASYNCRL_ENV_TOKEN", TOKEN)
     remote = RemoteAgent(AgentConfig(env_id="words", type="remote"),
-                         RemoteParams(url=server, remote_env_id="word_problems"), Config())
+                         RemoteParams(url=server, remote_env_id="word_problems"), AgentSettings.of(Config()))
     heldout = remote.problems("heldout")
     assert len(heldout) == 200 and heldout[0].prompt_id.startswith("words:word_problems/")
     nowhere = SimpleNamespace(endpoint=Endpoint(**INFERENCE))  # the server's loops fail, the requests do not

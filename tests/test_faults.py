@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.messages import StagedWeights
-from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup, TrainerRankDied
 
 
@@ -96,7 +96,7 @@ def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
     from asyncrl.run_config import load_config
 
     pool = SimpleNamespace  # no actor is started: the supervisor only counts here
-    supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]), tmp_path, pool(), pool(), lambda: 3,
+    supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]).run, tmp_path, pool(), pool(), lambda: 3,
                             lambda mirrored: (0, 0, 0))
     supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed")
     with pytest.raises(TrainingError) as e:

@@ -5,17 +5,21 @@ bottom, actors never import one another, and only the top knows how actors are b
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
 
-# Plain data, typed messages, config, RL math, the inference protocol and request channel,
-# the collective helpers, metrics and logging, the task data, user reward functions.
+# Plain data, typed messages, config, RL math, the inference protocol and request channel, the
+# actors' declared interfaces, the weight-sync transports, metrics and logging, the task data, user
+# reward functions, torch's private calls.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
-          "asyncrl.sync.collective", "asyncrl.sync.group_store", "asyncrl.sync.shared_buckets", "asyncrl.metrics",
+          "asyncrl.interfaces", "asyncrl.sync", "asyncrl.metrics",
           "asyncrl.monitoring",
           "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.recipe_hooks", "asyncrl.reward_function", "asyncrl.clock",
-          "asyncrl.lognormal")
+          "asyncrl.lognormal", "asyncrl.torch_compat")
 AGENT_LOOPS = ("agent_loops",)
 # Each actor's folder, and what (besides the bottom) it may use. Agents and agent loops are
 # libraries the rollout workers run, not actors of their own.
@@ -23,12 +27,13 @@ ACTORS = {
     "asyncrl.engine": (),
     "asyncrl.trainer": (),
     "asyncrl.queue": (),
+    "asyncrl.reward": (),
     "asyncrl.agents": AGENT_LOOPS,
     "asyncrl.rollout": ("asyncrl.agents", *AGENT_LOOPS),
 }
 # Only these know how actors are built and coordinated.
-TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.control", "asyncrl.sync.weight_sync", "asyncrl.evaluation",
-       "asyncrl.evaluate", "asyncrl.run_config", "asyncrl.train", "asyncrl.serve_env", "asyncrl.cli", "asyncrl.bench")
+TOP = ("asyncrl.actors", "asyncrl.driver", "asyncrl.control", "asyncrl.evaluation", "asyncrl.evaluate",
+       "asyncrl.run_config", "asyncrl.train", "asyncrl.serve_env", "asyncrl.cli", "asyncrl.bench")
 
 
 def _module_name(path: Path) -> str:
@@ -93,5 +98,53 @@ def test_the_checker_sees_a_crossing():
     assert allowed("asyncrl.driver", "asyncrl.actors")
     assert allowed("asyncrl.control.engine_pool", "asyncrl.actors")
     assert not allowed("asyncrl.rollout.worker", "asyncrl.control.worker_pool")
+    # The weight sync coordinates the trainer and the engines: control, above both; its transports
+    # and the interfaces every actor may name are below them.
+    assert not allowed("asyncrl.sync.collective", "asyncrl.control.weight_sync")
+    assert allowed("asyncrl.control.weight_sync", "asyncrl.trainer.trainer_group")
+    assert allowed("asyncrl.rollout.router", "asyncrl.interfaces")
+    assert allowed("asyncrl.trainer.trainer_group", "asyncrl.interfaces")
+    assert not allowed("asyncrl.interfaces", "asyncrl.engine.engine_actor")
     modules = _code_modules()
     assert "asyncrl.actors" in modules["asyncrl.driver"]
+
+
+# Each actor and control class gets the config sections it reads (or small typed settings made
+# in one place), never the whole run config; the pools build actors through asyncrl/actors.py,
+# which alone takes the whole config, and keep it for that.
+GIVEN_SECTIONS = [
+    "asyncrl.engine.engine_actor:EngineActor", "asyncrl.engine.sim_engine:SimEngine",
+    "asyncrl.queue.message_queue:MessageQueue", "asyncrl.rollout.worker:RolloutWorker",
+    "asyncrl.trainer.trainer_rank:TrainerRank", "asyncrl.trainer.sim_trainer:SimTrainerRank",
+    "asyncrl.control.run_control:RunControl", "asyncrl.reward.reward_model:RewardModelActor",
+    "asyncrl.agents.api:Agent", "asyncrl.agents.dataset:DatasetAgent",
+    "asyncrl.agents.remote:RemoteAgent", "asyncrl.agents.reward_only:RewardOnlyAgent",
+    "asyncrl.control.prompts:Prompts", "asyncrl.control.periodic_eval:PeriodicEvaluation",
+    "asyncrl.control.supervisor:Supervisor", "asyncrl.control.elastic:Elastic",
+    "asyncrl.evaluation:PendingEvaluation",
+]
+
+
+def test_no_actor_or_control_class_takes_the_whole_config():
+    taking = []
+    for ref in GIVEN_SECTIONS:
+        module, name = ref.split(":")
+        init = getattr(importlib.import_module(module), name).__init__
+        annotations = [str(p.annotation) for p in inspect.signature(init).parameters.values()]
+        if any(re.search(r"(?<![\w.])Config\b", a) for a in annotations):
+            taking.append(ref)
+    assert taking == []
+    # every class actors.py makes an actor of is in the list (a new actor is checked too)
+    made = set(re.findall(r"ray\.remote\((\w+)\)", (REPO / "asyncrl" / "actors.py").read_text()))
+    listed = {ref.split(":")[1] for ref in GIVEN_SECTIONS}
+    assert made - {"engine_class", "rank_class"} <= listed, made - listed
+
+
+def test_no_function_is_over_100_lines():
+    """A function longer than a screenful or two is several steps waiting for names."""
+    long = []
+    for f in (REPO / "asyncrl").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long.append(f"{f.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert long == []

@@ -1,9 +1,11 @@
 """Model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
 scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-norm and head_dim 64;
 llama with llama3 rope scaling; mistral, Llama's layers under its own model_type; qwen3_moe,
-mixtral and qwen2_moe with 8 experts, top-2, renormalised or not, qwen2_moe with a gated shared
-expert) through the megatron trainer at TP 1 and 2, for qwen3 and qwen3_moe at PP 2 and DP 2
-(the MoE's with its experts split, EP 2) and for every MoE family at EP 2: its full-vocabulary
+mixtral, qwen2_moe and deepseek_v3 with 8 experts, top-2, renormalised or not, qwen2_moe with a
+gated shared expert, deepseek_v3 with multi-head latent attention, a shared expert and a sigmoid
+router with a correction bias and group-limited top-k) through the megatron trainer at TP 1 and 2,
+for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts split, EP 2) and for every
+MoE family but deepseek_v3 at EP 2 (its measured once): its full-vocabulary
 logits equal HF's, its HF export before training is the checkpoint, a train step moves every
 weight, and every layout's step equals TP 1's. The MoE cases replay given routes
 (algorithm.routing_replay=r3) and check every router used them. One trainer per (family, layout)
@@ -27,6 +29,8 @@ from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV3Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -37,16 +41,18 @@ from transformers import (
 )
 
 from asyncrl.config.models import model_config_problems
+from asyncrl.rollout.trust import model_limits
 from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
 from tests.conftest import REPO, run_cli
 
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 # (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2 and
 # mistral, below); one dense and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its
 # experts split over the two ranks, EP 2; plain DP 2 measured once, docs/models.md), and every MoE
-# family at EP 2, each against its TP 1 step on the same batch.
+# family at EP 2 (deepseek_v3's measured once: its experts split as the others'), each against its
+# TP 1 step on the same batch.
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
 # qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's;
 # mistral's is llama's (the same bridge and layers; measured once: docs/models.md).
@@ -102,10 +108,21 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     for path in tiny_models.values():
         hf = read_model_config(str(path), tp_size=2)
         assert hf.vocab_size % 64 == 0 and hf.vocab_size >= len(AutoTokenizer.from_pretrained(path))
-        assert hf.num_key_value_heads < hf.num_attention_heads
+        # grouped-query attention, but for DeepSeek's latent attention (every head reads one latent)
+        assert hf.num_key_value_heads < hf.num_attention_heads or hf.model_type == "deepseek_v3"
     assert read_model_config(str(tiny_models["llama"])).rope_parameters["rope_type"] == "llama3"
     assert read_model_config(str(tiny_models["mistral"])).sliding_window is None
     assert read_model_config(str(tiny_models["qwen2_moe"])).norm_topk_prob is False  # the full softmax's
+    assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.q_a_layernorm.weight",
+            "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.shared_experts.up_proj.weight",
+            "model.layers.2.mlp.experts.7.gate_proj.weight",
+            "model.layers.0.mlp.up_proj.weight"} <= names["deepseek_v3"]
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in names["deepseek_v3"])  # dense first layer
+    deepseek = load_file(f"{tiny_models['deepseek_v3']}/model.safetensors")
+    assert deepseek["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0  # drawn, not HF's zeros
+    # the routes a rollout of each MoE family may carry: [layers, top_k] ids below its expert count
+    for arch in MOE_FAMILIES:
+        assert model_limits(str(tiny_models[arch])).routes == (2, 2, 8), arch
 
 
 def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
@@ -115,13 +132,20 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message
     assert "'gpt2' is not supported" in message
-    assert "qwen2, qwen3, llama, mistral (dense), qwen3_moe, mixtral, qwen2_moe (mixture" in message
+    assert "qwen2, qwen3, llama, mistral (dense), qwen3_moe, mixtral, qwen2_moe, deepseek_v3 (mixture" in message
     # `asyncrl train` refuses it at validation, before Ray starts: exit 2, one line naming the key
     out = run_cli("train", "recipe=arith", f"model.path={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if "model.path=" in x]
     assert line.strip() == f"- model.path={str(tmp_path)!r}: {message.split(': ', 1)[1]}"
     assert "Started a local Ray instance" not in out.stderr
+    # a family users bring whose conversion is known not to work says why
+    gemma = tmp_path / "gemma3"
+    Gemma3TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                     head_dim=32, intermediate_size=128, vocab_size=320).save_pretrained(gemma)
+    with pytest.raises(ValueError, match="'gemma3_text' is not supported by the megatron trainer "
+                                         r"\(mbridge has no bridge for the text-only Gemma 3.*sliding window"):
+        read_model_config(str(gemma))
 
 
 def test_features_the_conversion_does_not_cover_are_refused():
@@ -147,6 +171,17 @@ def test_features_the_conversion_does_not_cover_are_refused():
     assert model_config_problems(MixtralConfig(**ok, num_local_experts=4, sliding_window=None), tp_size=2) == []
     cases["dense layers"] = Qwen3MoeConfig(**moe, mlp_only_layers=[0])
     cases["qkv_bias=false"] = Qwen2MoeConfig(**shared, qkv_bias=False)
+    # DeepSeek-V3 as its checkpoints say it (vLLM reads scoring_func / topk_method; HF's class ignores them)
+    deepseek = dict(ok, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                    first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=None, scoring_func="sigmoid",
+                    topk_method="noaux_tc")
+    assert model_config_problems(DeepseekV3Config(**deepseek), tp_size=2) == []
+    cases["scoring_func 'softmax'"] = DeepseekV3Config(**{**deepseek, "scoring_func": "softmax"})
+    cases["topk_method None"] = DeepseekV3Config(**{k: v for k, v in deepseek.items() if k != "topk_method"})
+    cases["norm_topk_prob=false"] = DeepseekV3Config(**deepseek, norm_topk_prob=False)
+    cases["// topk_group 2 != 2"] = DeepseekV3Config(**{**deepseek, "n_group": 4, "topk_group": 2})
+    cases["rope_interleave=false"] = DeepseekV3Config(**deepseek, rope_interleave=False)
+    assert model_config_problems(DeepseekV3Config(**{**deepseek, "first_k_dense_replace": 1}), tp_size=2) == []
     for expected, config in cases.items():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
@@ -278,9 +313,11 @@ def test_one_train_step_moves_every_weight(probed):
     still = [k for k in probed.exported if torch.equal(probed.trained[k], probed.exported[k])]
     if probed.arch in MOE_FAMILIES:
         # An expert no token of this small batch was routed to gets no gradient; all else moves,
-        # a shared expert (qwen2_moe: every token goes through it) and its gate included.
+        # a shared expert (qwen2_moe, deepseek_v3: every token goes through it) and its gate included,
+        # but DeepSeek's routing correction bias (no gradient; kept as loaded: hf_bridge).
         experts = [k for k in probed.exported if ROUTED_EXPERT.search(k)]
-        assert all(ROUTED_EXPERT.search(k) for k in still), f"not moved by a train step: {still}"
+        assert all(ROUTED_EXPERT.search(k) or k.endswith("e_score_correction_bias") for k in still), \
+            f"not moved by a train step: {still}"
         assert len(still) < len(experts) / 2, f"most experts never moved: {still}"
     else:
         assert not still, f"not moved by a train step: {still}"

@@ -15,7 +15,8 @@ One engine and one trainer serve the Qwen3-MoE tests here. What is checked:
 - routes survive a snapshot's JSON round trip and the trainer's packing.
 
 For the other MoE layouts (Mixtral; Qwen2-MoE, whose shared expert every token goes through,
-behind its sigmoid gate), one engine and one trainer each (`synced`): the engine's routes are
+behind its sigmoid gate; DeepSeek-V3: multi-head latent attention, a shared expert, a sigmoid router
+with a correction bias and group-limited top-k), one engine and one trainer each (`synced`): the engine's routes are
 HF's router top-k, and its greedy logprobs equal the trainer's at the checkpoint and again after
 the weights of a train step (with the engine's routes replayed) were loaded into it.
 """
@@ -66,11 +67,19 @@ def greedy(engine, prompt: list[int], rid: str, n: int = NEW_TOKENS):
 
 
 def hf_routes(model, sequence: list[int]) -> np.ndarray:
-    """HF's router top-k (sorted) of every position: [positions, layers, top_k]."""
-    with torch.no_grad():
-        out = model(torch.tensor([sequence]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    return torch.stack([logits.topk(k, -1).indices.sort(-1).values for logits in out.router_logits], 1).numpy()
+    """The experts (sorted) HF's routers chose at every position: [positions, layers, top_k] (each
+    router's own choice: DeepSeek-V3's by sigmoid scores plus its correction bias, in its best group)."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    chosen = []  # each router returns (logits, weights, indices), in layer order
+    hooks = [r.register_forward_hook(lambda module, args, out: chosen.append(out[2])) for r in routers]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([sequence]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(chosen) == len(routers)  # the MoE layers (DeepSeek's first layers are dense)
+    return torch.stack([ids.sort(-1).values for ids in chosen], 1).numpy()
 
 
 def flipped_routers(path) -> dict[str, torch.Tensor]:
@@ -312,9 +321,10 @@ def test_routes_extend_only_past_the_positions_held():
         RoutedExperts.from_array(np.full((1, 1, 2), 300))
 
 
-# -- the other MoE layouts on the engine: Mixtral, Qwen2-MoE's gated shared expert -------------------
+# -- the other MoE layouts on the engine: Mixtral, Qwen2-MoE's gated shared expert, DeepSeek-V3 ------
 
-SYNC_FAMILIES = ("mixtral", "qwen2_moe")  # mistral's (dense) measured once with these tests: docs/models.md
+# mistral's (dense) measured once with these tests: docs/models.md
+SYNC_FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module", params=SYNC_FAMILIES)

@@ -17,7 +17,7 @@ import ray
 
 from asyncrl.messages import Failure, PendingGroupState
 from asyncrl.recipe_hooks import load_recipe_hooks
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource, score_answer
 from asyncrl.types import SamplingSpec
@@ -45,7 +45,7 @@ def problems(cfg):
 
 def run_worker(cfg, engines, problems, agents=None, n=4, before_drain=None):
     async def go():
-        worker = RolloutWorker(0, cfg, engines, agents=agents)
+        worker = RolloutWorker(0, WorkerSettings.of(cfg), engines, agents or agents_of(cfg))
         accepted = (await worker.submit(problems, n=n)).accepted
         if before_drain:
             await before_drain(worker)
@@ -84,7 +84,7 @@ def test_bad_rows_are_rejected_with_counted_reasons(cfg, engines, problems):
         good,
     ]
     async def go():
-        worker = RolloutWorker(0, cfg, engines)
+        worker = RolloutWorker(0, WorkerSettings.of(cfg), engines, agents_of(cfg))
         answer = await worker.submit(rows, n=2)
         await worker.drain()
         return worker, answer
@@ -154,7 +154,7 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
     async def stop(after_s: float) -> list[PendingGroupState]:
         """The loops of a fresh worker, stopped `after_s` after all four requests are out, the way a
         checkpoint stops them (worker interrupted, engines paused with abort)."""
-        first = RolloutWorker(0, cfg, engines, sampling=greedy)
+        first = RolloutWorker(0, WorkerSettings.of(cfg), engines, agents_of(cfg), sampling=greedy)
         await first.submit(few, n=2)
         deadline = time.monotonic() + 120
         while sum(ray.get([e.num_outstanding.remote() for e in engines])) < 4:  # every request is in
@@ -186,7 +186,7 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
         else:
             pytest.fail("could not stop the four loops mid-generation in 8 tries")
         saved = json.loads(json.dumps([s.to_dict() for s in states]))
-        second = RolloutWorker(1, cfg, engines, sampling=greedy)
+        second = RolloutWorker(1, WorkerSettings.of(cfg), engines, agents_of(cfg), sampling=greedy)
         restored = [PendingGroupState.from_dict(d) for d in saved]
         by_id = {p.prompt_id: p for p in few}
         assert (await second.restore(restored, [by_id[s.prompt_id] for s in restored])).accepted == len(few)
@@ -194,7 +194,7 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
         return states, second.take_groups()
 
     async def uninterrupted() -> list:
-        worker = RolloutWorker(2, cfg, engines, sampling=greedy)
+        worker = RolloutWorker(2, WorkerSettings.of(cfg), engines, agents_of(cfg), sampling=greedy)
         await worker.submit(few, n=2)
         await worker.drain()
         return worker.take_groups()
@@ -211,3 +211,40 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
     for g in resumed:  # each continued its snapshot: the tokens it had are the prefix of what it has
         prefix = snapshots[g.group_id].trajectory.response_token_ids
         assert all(t.response_token_ids[:len(prefix)] == prefix for t in g.trajectories)
+
+
+def test_a_judge_on_a_real_engine_scores_every_sample_beside_the_task_scorer(cfg, engines, problems):
+    """reward.judge end to end on vLLM: one of the shared engines serves the judge (the arith model,
+    asked with a template it continues with a number). Each sample's reward is the task's plus the
+    judge's parsed verdict, which equals what the engine answers that request alone, greedily."""
+    import re
+
+    from asyncrl.rollout.reward_client import JudgeClient
+
+    judge_cfg = load_config(["engine.num_engines=2", "rollout.max_concurrent_loops=16",
+                             f"reward.judge.path={BASE_MODEL}", "reward.judge.parser=number",
+                             "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.weight=0.5",
+                             "reward.judge.max_new_tokens=16",
+                             "reward.judge.prompt_template='{response} {prompt}'"])
+
+    async def go():
+        worker = RolloutWorker(0, WorkerSettings.of(judge_cfg), engines, agents_of(judge_cfg), judges=engines[:1])
+        await worker.submit(problems[:3], n=2)
+        await worker.drain()
+        return worker
+
+    worker = asyncio.run(go())
+    hooks = load_recipe_hooks(cfg.recipe.module)
+    client = JudgeClient(engines[:1], judge_cfg.reward.judge)
+    by_id = {p.prompt_id: p for p in problems}
+    for g in worker.take_groups():
+        for t in g.trajectories:
+            problem = by_id[g.prompt_id]
+            ids = client.prompt_ids(problem, t.info["response"])
+            alone = ray.get(engines[1].generate.remote(ids, client.sampling, f"check-{t.group_id}-{id(t)}"))
+            answer = client.tokenizer.decode(alone.token_ids, skip_special_tokens=True)
+            verdict = (min(max(float(re.search(r"-?\d+(?:\.\d+)?", answer).group()), -20), 20) + 20) / 40
+            env = score_answer(problem, hooks.extract_answer(t.info["response"]))
+            assert t.info["reward_metrics"] == {"env_reward": env, "judge": pytest.approx(verdict)}
+            assert t.reward == pytest.approx(env + 0.5 * verdict)
+    assert worker.get_stats().reward_services["judge"][0] == 6 and worker.get_stats().failures == {}

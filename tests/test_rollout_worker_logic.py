@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncrl.agents.api import run_sample
+from asyncrl.agents.api import AgentSettings, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import agent_params, build_agents
 from asyncrl.agents.remote import RemoteAgent
@@ -24,7 +24,7 @@ from asyncrl.control.step_metrics import tool_call_validity
 from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker, WorkerSettings
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem
 from asyncrl.types import RoutedExperts, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -71,7 +71,8 @@ def answering(worker, problems, wrong=(), hold=None, fail=()):
 def make_worker(cfg, agents=None, sink=None):
     """A worker whose engine is set afterwards (`worker.engine`): the script needs its tokenizer."""
     holder = SimpleNamespace(engine=None)
-    worker = RolloutWorker(0, cfg, [], sink=sink, agents=agents or build_agents(cfg), inference=lambda: holder.engine)
+    worker = RolloutWorker(0, WorkerSettings.of(cfg), [], agents or build_agents(cfg), sink=sink,
+                           inference=lambda: holder.engine)
     return worker, holder
 
 
@@ -255,7 +256,7 @@ def test_a_remote_group_that_fails_is_counted_as_remote_error(cfg, problems, mon
     monkeypatch.delenv("ASYNCRL_ENV_TOKEN", raising=False)  # the server is never reached
     spec = AgentConfig(env_id="far", type="remote", weight=1.0, params={"url": "http://127.0.0.1:9"})
     local = build_agents(cfg)[cfg.recipe.name]
-    agents = WeightedMultiTask([local, RemoteAgent(spec, agent_params(spec), cfg)], block_size=2)
+    agents = WeightedMultiTask([local, RemoteAgent(spec, agent_params(spec), AgentSettings.of(cfg))], block_size=2)
     problem = dataclasses.replace(problems[0], prompt_id="far:0", env_id="far")  # as RemoteAgent names ids
 
     async def scenario():
@@ -540,7 +541,7 @@ def test_the_worker_counts_an_untrainable_remote_group_as_a_failed_one(cfg, prob
     remote_error counted with its reason; n + 1 trajectories no longer raise, 0 no longer hang."""
     monkeypatch.setenv("ASYNCRL_ENV_TOKEN", "t")
     spec = AgentConfig(env_id="far", type="remote", weight=1.0, params={"url": "http://127.0.0.1:9"})
-    remote = RemoteAgent(spec, agent_params(spec), cfg)
+    remote = RemoteAgent(spec, agent_params(spec), AgentSettings.of(cfg))
     agents = WeightedMultiTask([build_agents(cfg)[cfg.recipe.name], remote], block_size=2)
     answer, reason = UNTRAINABLE[what]
 

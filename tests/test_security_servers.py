@@ -100,7 +100,8 @@ def serve(port: int) -> None:
     """The env server over an EchoAgent, as `asyncrl serve-env` runs it (python -m tests.test_security_servers PORT)."""
     import uvicorn
 
-    from asyncrl.agents.server import ServerLimits, create_app, uvicorn_config
+    from asyncrl.agents.http_guard import ServerLimits, uvicorn_config
+    from asyncrl.agents.server import create_app
 
     limits = ServerLimits(max_request_bytes=MAX_REQUEST_BYTES, read_timeout_s=READ_TIMEOUT_S,
                           max_rollouts_in_flight=MAX_IN_FLIGHT, inference_hosts=("gpu-node-3", "10.9.0.0/16"),
@@ -502,7 +503,7 @@ def _serves(url: str) -> None:
 
 def test_the_connection_budget_closes_the_oldest_unauthenticated_connection_of_the_biggest_peer():
     """The policy behind the floods' tests, connection by connection (no sockets, no timers)."""
-    from asyncrl.agents.server import ServerLimits, _Budget, _Connection
+    from asyncrl.agents.http_guard import ServerLimits, _Budget, _Connection
 
     class Conn(_Connection):
         def __init__(self, budget: _Budget, peer: str) -> None:
@@ -864,7 +865,7 @@ def test_the_gateway_bounds_bodies_and_takes_only_strict_json(gateway):
 def test_the_gateway_serves_under_the_env_servers_connection_budget(gateway):
     """Its connections are the env server's h11 layer: the budget and deadlines of ServerLimits
     (tested against the env server above), not uvicorn's own."""
-    from asyncrl.agents.server import ServerLimits
+    from asyncrl.agents.http_guard import ServerLimits
     from asyncrl.rollout.gateway import GATEWAY_LIMITS
 
     assert isinstance(GATEWAY_LIMITS, ServerLimits)

@@ -16,6 +16,7 @@ from asyncrl.control.step_metrics import control_plane_metrics
 from asyncrl.engine.sim_engine import DecodeModel, LengthModel, SimEngine
 from asyncrl.run_config import load_config
 from asyncrl.trainer.batch import TrainSample
+from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.trainer.sim_trainer import SimTrainerRank, staleness_metrics
 from asyncrl.types import SamplingSpec
 
@@ -152,12 +153,13 @@ def test_sim_trainer_cost_and_lagged_versions():
     cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.data_parallel_size=4",
                        "trainer.sim.train_per_token_s=0.01", "trainer.sim.logprob_per_token_s=0.002",
                        "trainer.sim.optimizer_s=0.5", "algorithm.policy_lag=1", "algorithm.max_staleness=1"])
-    rank = SimTrainerRank(cfg, 0, 1)
+    rank = SimTrainerRank(TrainerSettings.of(cfg), 0, 1)
     assert rank.step_s(tokens=400, updates=2) == pytest.approx(400 * 0.01 / 4 + 2 * 0.5)
     lossy = load_config(["recipe=arith", "engine=sim", "trainer=sim", "algorithm.loss.type=decoupled_ppo",
                          "trainer.mini_batches_per_step=2", "trainer.sim.train_per_token_s=0.01",
                          "trainer.sim.logprob_per_token_s=0.002", "trainer.sim.optimizer_s=0"])
-    assert SimTrainerRank(lossy, 0, 1).step_s(100, 2) == pytest.approx(100 * 0.012)  # + the proximal pass
+    lossy_rank = SimTrainerRank(TrainerSettings.of(lossy), 0, 1)
+    assert lossy_rank.step_s(100, 2) == pytest.approx(100 * 0.012)  # + the proximal pass
     rank.setup("", 0)
     assert [rank.stage_weights(v).version for v in (1, 2, 3)] == [0, 1, 2]  # one version behind
     assert rank.stage_weights(4, newest=True).version == 4
@@ -453,7 +455,7 @@ def test_the_colocated_baseline_takes_the_scenario_s_sync_overrides_before_count
 def test_the_sim_trainer_pays_for_the_trained_share_of_the_tokens():
     cfg = load_config(["recipe=arith", "engine=sim", "trainer=sim", "trainer.sim.train_per_token_s=0.005",
                        "trainer.sim.optimizer_s=0", "trainer.sim.trained_share=0.5", "engine.sim.prompt_tokens=10"])
-    rank = SimTrainerRank(cfg, 0, 1)
+    rank = SimTrainerRank(TrainerSettings.of(cfg), 0, 1)
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
     trajs = [Trajectory("p", "g", [1] * 10, [Segment.from_policy([5] * 30, [-1.0] * 30, 0)], reward=float(i % 2))

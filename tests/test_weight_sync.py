@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl import actors
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.run_config import load_config
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.sync.group_store import LOOPBACK, SECRET_MIN_CHARS
 from asyncrl.sync.shared_buckets import SHM_DIR, SHM_PREFIX
-from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec

@@ -71,7 +71,7 @@ class ProbedTrainerRank(TrainerRank):
         used: dict[int, torch.Tensor] = {}
 
         def record(router, args, output):
-            used[router.layer_number - 1] = output[1].nonzero()[:, 1].view(output[1].shape[0], -1).cpu()
+            used[moe_routing.route_layer(router)] = output[1].nonzero()[:, 1].view(output[1].shape[0], -1).cpu()
 
         hooks = [r.register_forward_hook(record) for c in self.model for r in moe_routing.routers(c)]
         out = []

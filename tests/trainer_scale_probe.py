@@ -40,12 +40,13 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
 
     from asyncrl.bench.trainer import SHAPES, synthetic_groups
     from asyncrl.run_config import load_config
+    from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
     row = seq_len * n  # one micro-batch holds every trajectory
     cfg = load_config(["recipe=arith", f"model.path={path}", "model.tokenizer_path=''",
                        f"trainer.recompute={recompute}", f"trainer.max_tokens_per_micro_batch={row}"])
-    rank = TrainerRank(cfg, 0, 1)
+    rank = TrainerRank(TrainerSettings.of(cfg), 0, 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -34,7 +35,7 @@ from pydantic import ConfigDict, Field, GetPydanticSchema
 
 from agent_loops.chat import load_named_template, prompt_token_ids
 from asyncrl.clock import Clock
-from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.config.schema import AgentConfig, Config, ToolsConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Failure
 from asyncrl.metrics import pass_at_k
@@ -222,6 +223,30 @@ def load_tokenizer(path: str, chat_template: str = "") -> Any:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class AgentSettings:
+    """What agents read of the run's config; `of` makes it (registry.build_agents, once a run)."""
+
+    agent_loop: str  # rollout.agent_loop: the loop of agents that name none
+    tokenizer_path: str  # model.tokenizer_path, or model.path
+    chat_template: str
+    sampling: SamplingSpec  # rollout.max_new_tokens, temperature, top_p
+    max_model_len: int  # engine.max_model_len
+    tools: ToolsConfig
+    time_scale: float  # cluster.time_scale
+    reward_timeout_s: float  # rollout.reward_timeout_s
+    recipe_module: str  # recipe.module: the hooks of dataset agents that name none
+
+    @classmethod
+    def of(cls, cfg: Config) -> AgentSettings:
+        r = cfg.rollout
+        return cls(agent_loop=r.agent_loop, tokenizer_path=cfg.model.tokenizer_path or cfg.model.path,
+                   chat_template=cfg.model.chat_template,
+                   sampling=SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
+                   max_model_len=cfg.engine.max_model_len, tools=cfg.tools, time_scale=cfg.cluster.time_scale,
+                   reward_timeout_s=r.reward_timeout_s, recipe_module=cfg.recipe.module)
+
+
 class Agent(ABC):
     """An environment. Subclasses give `problems` and `reward` (and, multi-turn, `observe`);
     running the loop, scoring, grouped rollouts and pass@k evaluation are shared."""
@@ -229,12 +254,12 @@ class Agent(ABC):
     params_class: type = dict  # the dataclass `AgentConfig.params` must fit
     remote: bool = False  # True: rollouts happen elsewhere (the env server), already scored
 
-    def __init__(self, spec: AgentConfig, params: Any, cfg: Config):
+    def __init__(self, spec: AgentConfig, params: Any, settings: AgentSettings):
         self.env_id = spec.env_id
         self.weight = spec.weight
-        self.agent_loop = spec.agent_loop or cfg.rollout.agent_loop
+        self.agent_loop = spec.agent_loop or settings.agent_loop
         self.params = params
-        self.cfg = cfg
+        self.settings = settings
 
     def problems(self, split: str) -> list[Problem]:
         """The problems of a split ("train" or "heldout"); ids are stable across calls."""
@@ -270,12 +295,11 @@ class Agent(ABC):
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        return load_tokenizer(self.cfg.model.tokenizer_path or self.cfg.model.path, self.cfg.model.chat_template)
+        return load_tokenizer(self.settings.tokenizer_path, self.settings.chat_template)
 
     def sampling(self, temperature: float | None = None) -> SamplingSpec:
-        r = self.cfg.rollout
-        return SamplingSpec(max_new_tokens=r.max_new_tokens, top_p=r.top_p,
-                            temperature=r.temperature if temperature is None else temperature)
+        s = self.settings.sampling  # a copy each time: loops may set stop strings on theirs
+        return dataclasses.replace(s, temperature=s.temperature if temperature is None else temperature)
 
     def make_loop(self, problem: Problem, inference: InferenceInterface, sampling: SamplingSpec,
                   interrupt: asyncio.Event | None = None) -> Any:
@@ -283,9 +307,9 @@ class Agent(ABC):
         from agent_loops import get_agent_loop
 
         loop_cls = get_agent_loop(problem.agent_loop or self.agent_loop)
-        return loop_cls(inference, self.tokenizer, sampling, self.cfg.engine.max_model_len, interrupt=interrupt,
-                        env=functools.partial(self.observe, problem), tools=self.cfg.tools,
-                        chat_prompt=bool(problem.messages), clock=Clock(self.cfg.cluster.time_scale))
+        return loop_cls(inference, self.tokenizer, sampling, self.settings.max_model_len, interrupt=interrupt,
+                        env=functools.partial(self.observe, problem), tools=self.settings.tools,
+                        chat_prompt=bool(problem.messages), clock=Clock(self.settings.time_scale))
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward (and info["reward_metrics"], when the reward gives some) from
@@ -293,7 +317,7 @@ class Agent(ABC):
         rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
         response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
         traj.info["response"] = response
-        timeout = self.cfg.rollout.reward_timeout_s
+        timeout = self.settings.reward_timeout_s
         failure = None
         try:
             reward, metrics = await asyncio.wait_for(asyncio.to_thread(self.reward_and_metrics, problem, response),

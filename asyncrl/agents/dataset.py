@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from agent_loops.tools.schemas import tool_schemas
-from asyncrl.agents.api import Agent
-from asyncrl.config.schema import AgentConfig, Config, DataConfig
+from asyncrl.agents.api import Agent, AgentSettings
+from asyncrl.config.schema import AgentConfig, DataConfig
 from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
 from asyncrl.reward_function import call_reward_function, load_reward_function
 from asyncrl.tasks import Problem, TaskSource
@@ -55,9 +55,9 @@ class DatasetParams(DataConfig):
 class DatasetAgent(Agent):
     params_class = DatasetParams
 
-    def __init__(self, spec: AgentConfig, params: DatasetParams, cfg: Config):
-        super().__init__(spec, params, cfg)
-        self.hooks: RecipeHooks = load_recipe_hooks(params.module or cfg.recipe.module)  # may register tools
+    def __init__(self, spec: AgentConfig, params: DatasetParams, settings: AgentSettings):
+        super().__init__(spec, params, settings)
+        self.hooks: RecipeHooks = load_recipe_hooks(params.module or settings.recipe_module)  # may register tools
         try:
             self.tool_schemas = tool_schemas(params.tools) if params.tools else []
         except KeyError as e:

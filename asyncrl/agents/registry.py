@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from asyncrl.agents.api import Agent
+from asyncrl.agents.api import Agent, AgentSettings
 from asyncrl.agents.dataset import DatasetAgent, DatasetParams
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.remote import RemoteAgent
@@ -80,7 +80,7 @@ def check_registered(cfg: Config) -> list[str]:
 
 def build_agent(spec: AgentConfig, cfg: Config) -> Agent:
     params = agent_params(spec)  # first: it rejects an unregistered type
-    return AGENT_TYPES[spec.type](spec, params, cfg)
+    return AGENT_TYPES[spec.type](spec, params, AgentSettings.of(cfg))
 
 
 def build_agents(cfg: Config) -> WeightedMultiTask:

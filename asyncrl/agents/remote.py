@@ -24,6 +24,7 @@ from asyncrl.agents.api import (
     MAX_ROLLOUTS_PER_REQUEST,
     SPLITS,
     Agent,
+    AgentSettings,
     EvaluationRequest,
     EvaluationResponse,
     GroupedRolloutRequest,
@@ -31,7 +32,7 @@ from asyncrl.agents.api import (
     ProblemsRequest,
     Split,
 )
-from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.config.schema import AgentConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, TrajectoryGroup
@@ -55,8 +56,8 @@ class RemoteAgent(Agent):
     params_class = RemoteParams
     remote = True
 
-    def __init__(self, spec: AgentConfig, params: RemoteParams, cfg: Config):
-        super().__init__(spec, params, cfg)
+    def __init__(self, spec: AgentConfig, params: RemoteParams, settings: AgentSettings):
+        super().__init__(spec, params, settings)
         if not params.url.startswith(("http://", "https://")):
             raise ValueError(f"env {spec.env_id!r}: params.url={params.url!r}: must start with http:// or https://")
         self.remote_env_id = params.remote_env_id or spec.env_id

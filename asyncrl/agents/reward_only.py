@@ -24,8 +24,8 @@ from types import ModuleType
 
 from omegaconf import MISSING
 
-from asyncrl.agents.api import SPLITS, Agent
-from asyncrl.config.schema import AgentConfig, Config
+from asyncrl.agents.api import SPLITS, Agent, AgentSettings
+from asyncrl.config.schema import AgentConfig
 from asyncrl.tasks import Problem
 
 
@@ -39,8 +39,8 @@ class RewardOnlyParams:
 class RewardOnlyAgent(Agent):
     params_class = RewardOnlyParams
 
-    def __init__(self, spec: AgentConfig, params: RewardOnlyParams, cfg: Config):
-        super().__init__(spec, params, cfg)
+    def __init__(self, spec: AgentConfig, params: RewardOnlyParams, settings: AgentSettings):
+        super().__init__(spec, params, settings)
         if params.max_turns < 1:
             raise ValueError(f"env {spec.env_id!r}: params.max_turns={params.max_turns}: must be >= 1")
         self.module = _import(params.module, spec.env_id)

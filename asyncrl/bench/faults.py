@@ -8,8 +8,9 @@ killed whole (the driver and every process it started) and resumed with
 The run is `asyncrl train` in a subprocess with 2 engines, 2 rollout workers and a checkpoint
 every `bench.checkpoint_every` steps (unless the overrides say otherwise). The bench watches its
 metrics.jsonl: once step `fault_steps[0]` is logged it kills one engine's vLLM engine core, at
-`fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, and at `fault_steps[3]`
-the whole run (the trainer step must come after a checkpoint, the whole-run kill too: a trainer
+`fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, at
+`bench.reward_model_fault_step` (when set, with reward.model.path) a replica of the reward model,
+and at `fault_steps[3]` the whole run (the trainer step must come after a checkpoint, the whole-run kill too: a trainer
 restart goes back to the newest checkpoint). A rollout worker's or trainer's fault is recovered
 from before the next fault is injected; an engine's replacement starts while the run goes on, and
 the whole-run kill waits for it. The processes are found by an environment tag that every process
@@ -43,7 +44,8 @@ from asyncrl.monitoring.run_log import read_metrics
 
 TAG_ENV = "ASYNCRL_FAULTS_BENCH"
 # The processes each fault kills, by what their command line shows.
-VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank"}
+VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank",
+           "reward_model": "ray::RewardModelActor"}
 KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 
@@ -141,6 +143,10 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     tag = f"faults-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, TAG_ENV: tag}
     plan = dict(zip(KINDS, bench.fault_steps))
+    if bench.reward_model_fault_step:  # a replica of the run's reward model, in step order with the others
+        if not cfg.reward.model.path:
+            raise ValueError("bench.reward_model_fault_step needs a reward model (reward.model.path)")
+        plan = dict(sorted({**plan, "reward_model": bench.reward_model_fault_step}.items(), key=lambda kv: kv[1]))
     injected: dict[str, dict[str, Any]] = {}
     logs = root / "train.log"
     root.mkdir(parents=True, exist_ok=True)

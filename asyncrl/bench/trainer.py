@@ -143,6 +143,7 @@ def gpu_busy_profile(rank, groups: list, version: int) -> tuple[float, list[list
 
 
 def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
+    from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
     shape = SHAPES[bench.model_shape]
@@ -151,7 +152,7 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         path = build_random_model(bench.model_shape, tmp, bench.seq_len)
         build_s = time.monotonic() - t0
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(path), tokenizer_path=""))
-        rank = TrainerRank(cfg, 0, 1)
+        rank = TrainerRank(TrainerSettings.of(cfg), 0, 1)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -43,8 +43,8 @@ from asyncrl.bench.config import BenchConfig
 from asyncrl.bench.in_flight import start_long_requests
 from asyncrl.bench.raw_broadcast import RawBroadcast, raw_sizes
 from asyncrl.config import Config
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.engine.engine_actor import EngineActor
-from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 

@@ -17,6 +17,14 @@ if TYPE_CHECKING:
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers (hf_bridge)
 SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
+# Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
+UNSUPPORTED_WHY = {
+    "gemma3_text": "mbridge has no bridge for the text-only Gemma 3, and the trainer's packed attention has no "
+                   "sliding window, which its local layers use",
+    "gemma3": "mbridge's Gemma 3 bridge (the vision-language model) builds Transformer Engine layers only, with "
+              "exact GELU where HF uses the tanh approximation, and the trainer's packed attention has no sliding "
+              "window",
+}
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -39,7 +47,7 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
         # HF's Mistral and Mixtral apply `sliding_window` whenever it is set (no flag, no layer_types);
         # the trainer's packed attention attends to the whole prefix.
         problems.append(f"sliding-window attention (sliding_window={hf.sliding_window}; only null is supported)")
-    if hf.model_type in ("qwen3", "llama") and getattr(hf, "attention_bias", False):
+    if hf.model_type in ("qwen3", "llama", "deepseek_v3") and getattr(hf, "attention_bias", False):
         # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
         problems.append("attention_bias=true")
     if getattr(hf, "mlp_bias", False):
@@ -49,11 +57,35 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     if hf.model_type in MOE_MODEL_TYPES:
         # norm_topk_prob either way: the trainer's router softmaxes before or after its top-k to match
         # (hf_bridge.renormalises_top_k).
+        # (DeepSeek's first_k_dense_replace dense layers before the MoE ones are supported: the bridge
+        # builds them, and routes address the MoE layers only, as the engine records them)
         if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
             problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
+    if hf.model_type == "deepseek_v3":
+        problems += deepseek_v3_problems(hf)
     if hf.vocab_size % tp_size:
         # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
         problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
+    return problems
+
+
+def deepseek_v3_problems(hf: PreTrainedConfig) -> list[str]:
+    """What of a DeepSeek-V3 config HF, vLLM and the trainer (mbridge's bridge, megatron's MLA and
+    router) do not all compute alike (docs/models.md)."""
+    problems = []
+    # HF's class always routes by sigmoid scores plus the correction bias; vLLM reads DeepSeek's own
+    # keys and, without them, softmaxes and drops the bias.
+    if getattr(hf, "scoring_func", None) != "sigmoid" or getattr(hf, "topk_method", None) != "noaux_tc":
+        problems.append(f"scoring_func {getattr(hf, 'scoring_func', None)!r} / topk_method "
+                        f"{getattr(hf, 'topk_method', None)!r} (only 'sigmoid' / 'noaux_tc', which HF always applies)")
+    if not getattr(hf, "norm_topk_prob", True):  # megatron's sigmoid router always renormalises its top-k
+        problems.append("norm_topk_prob=false")
+    groups, group_topk = getattr(hf, "n_group", 1) or 1, getattr(hf, "topk_group", 1) or 1
+    if groups > 1 and hf.num_experts_per_tok // group_topk != 2:
+        # HF scores a group by its best 2 experts; megatron by its best top_k // topk_group
+        problems.append(f"num_experts_per_tok {hf.num_experts_per_tok} // topk_group {group_topk} != 2")
+    if not getattr(hf, "rope_interleave", True):  # vLLM and megatron's MLA rotate interleaved pairs only
+        problems.append("rope_interleave=false")
     return problems
 
 
@@ -65,7 +97,8 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
     raw, _ = PreTrainedConfig.get_config_dict(model_path)  # the type first: AutoConfig may not know it
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"model type {model_type!r} is not supported by the megatron trainer; supported: "
+        why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
+        return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
                 f"{', '.join(DENSE_MODEL_TYPES)} (dense), {', '.join(MOE_MODEL_TYPES)} (mixture of experts); "
                 "see docs/models.md")
     problems = model_config_problems(AutoConfig.from_pretrained(model_path), tp_size)
@@ -90,3 +123,20 @@ def checkpoint_model_type(path: str) -> str | None:
         return json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return None
+
+
+def reward_model_problem(path: str) -> str | None:
+    """Why the checkpoint at `path` cannot serve as a reward model (reward.model.path), in one line:
+    it must be a sequence classifier with one output. None if it can (or is not a readable local one)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    classes = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+    labels = raw.get("num_labels", len(raw.get("id2label") or {}) or 2)
+    if not classes:
+        return (f"its architectures {raw.get('architectures')} hold no sequence classifier "
+                "(a reward model is a *ForSequenceClassification checkpoint)")
+    if labels != 1:
+        return f"it has {labels} outputs; a reward model has one score (num_labels=1)"
+    return None

@@ -29,8 +29,9 @@ PAUSE_MODES = ("abort", "keep", "none")  # none: trainer.lora only, adapters swi
 LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names
 MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
-# the mixture-of-experts model types the megatron trainer loads (qwen2_moe: with a shared expert)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# the mixture-of-experts model types the megatron trainer loads (qwen2_moe: with a shared expert;
+# deepseek_v3: multi-head latent attention, shared experts, a sigmoid router with group top-k)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -55,6 +56,7 @@ class RunConfig:
     max_engine_restarts: int = 4
     max_worker_restarts: int = 4
     max_trainer_restarts: int = 2
+    max_reward_restarts: int = 4  # of each reward service: reward.model's replicas, reward.judge's engines
     # An engine or rollout worker that does not answer a health check within this many
     # seconds counts as dead (it hangs).
     health_timeout_s: float = 120.0
@@ -378,6 +380,52 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    # A discriminative reward model the run serves: a Hugging Face sequence-classification
+    # checkpoint with one output (num_labels=1) that scores each finished training sample, its
+    # prompt and response through the model's own chat template where it has one
+    # (docs/algorithms.md, "Reward models"). Held-out evaluations keep the envs' own rewards.
+    path: str = ""  # "" = none
+    # A training sample's reward = reward.env_weight x the env's reward + weight x the model's score.
+    weight: float = 1.0
+    num_actors: int = 1  # replicas, each a Ray actor scoring batches
+    num_cpus_per_actor: float = 0.5  # (its bundle in the run's placement group, as a worker's)
+    max_batch: int = 32  # samples scored in one forward pass
+    max_length: int = 1024  # tokens it reads; a longer sample is cut on the left (the response is kept)
+
+
+JUDGE_PARSERS = ("number", "yes_no")
+
+
+@dataclass
+class JudgeConfig:
+    # A generative judge the run serves: a model on vLLM engines of its own, never trained, asked
+    # about each finished training sample with `prompt_template` (through its chat template where
+    # it has one); `parser` turns its answer into a score in [0, 1] (docs/algorithms.md, "Judges").
+    path: str = ""  # "" = none
+    weight: float = 1.0  # the score's weight in a training sample's reward, beside the env's and the reward model's
+    num_engines: int = 1
+    num_cpus_per_engine: float = 0.5
+    # Python format fields: {prompt} (the prompt's text, or its last user message), {response}
+    prompt_template: str = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? Reply yes or no.\n"
+    # number: the first number of the answer, clamped to [min_score, max_score] and scaled to [0, 1];
+    # yes_no: 1 for an answer that starts with "yes", 0 for "no". Anything else: the sample's reward
+    # is 0 and the failure is counted (judge_unparsable).
+    parser: str = "yes_no"
+    min_score: float = 0.0
+    max_score: float = 10.0
+    max_new_tokens: int = 8
+    temperature: float = 0.0  # greedy: the same sample always gets the same verdict
+
+
+@dataclass
+class RewardConfig:
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    env_weight: float = 1.0  # the weight of the env's own reward (its rule or hook) beside the services'
+
+
+@dataclass
 class SandboxConfig:
     """Where and under which limits model-written code runs (docs/security.md)."""
 
@@ -518,6 +566,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from asyncrl.config.models import checkpoint_model_type
+from asyncrl.config.models import checkpoint_model_type, reward_model_problem
 from asyncrl.config.schema import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -28,6 +28,7 @@ from asyncrl.config.schema import (
     DEVICES,
     DTYPES,
     ENGINE_BACKENDS,
+    JUDGE_PARSERS,
     LOG_LEVELS,
     LORA_TARGET_MODULES,
     LOSS_TYPES,
@@ -164,7 +165,7 @@ def _check_values(c: Config, problems: list[str]) -> None:
     problems += [_not_finite(key, value) for key, value in _floats("", c) if not math.isfinite(value)]
     checkers = _checkers(problems)
     for check in (_check_model, _check_run, _check_agents_or_data, _check_engine, _check_eval, _check_trainer,
-                  _check_algorithm, _check_rollout, _check_tools, _check_cluster):
+                  _check_algorithm, _check_rollout, _check_reward, _check_judge, _check_tools, _check_cluster):
         check(c, problems, *checkers)
     _check_across(c, problems, *checkers)
 
@@ -177,7 +178,7 @@ def _check_model(c: Config, problems: list[str], need, at_least, one_of, within)
 
 def _check_run(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts"):
+    for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts", "max_reward_restarts"):
         at_least(f"run.{key}", getattr(c.run, key), 0, "0: the first such fault ends the run")
     need(0 < c.run.health_timeout_s <= MAX_TIMEOUT_S, "run.health_timeout_s", c.run.health_timeout_s,
          f"seconds in (0, {MAX_TIMEOUT_S:g}]")
@@ -324,6 +325,39 @@ def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, withi
     need(0 < r.reward_timeout_s <= MAX_TIMEOUT_S, "rollout.reward_timeout_s", r.reward_timeout_s,
          f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
     need(r.num_cpus_per_worker > 0, "rollout.num_cpus_per_worker", r.num_cpus_per_worker, "must be > 0")
+
+
+def _check_reward(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    m = c.reward.model
+    if not m.path:
+        return
+    _check_checkpoint_dir("reward.model.path", m.path, problems)
+    if problem := reward_model_problem(m.path):
+        problems.append(f"reward.model.path={m.path!r}: {problem}")
+    within("reward.model.num_actors", m.num_actors, 1, MAX_WORKERS)
+    need(m.num_cpus_per_actor > 0, "reward.model.num_cpus_per_actor", m.num_cpus_per_actor, "must be > 0")
+    within("reward.model.max_batch", m.max_batch, 1, 4096)
+    within("reward.model.max_length", m.max_length, 8, 1 << 20, "tokens")
+
+
+def _check_judge(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    j = c.reward.judge
+    if not j.path:
+        return
+    _check_checkpoint_dir("reward.judge.path", j.path, problems)
+    within("reward.judge.num_engines", j.num_engines, 1, MAX_WORKERS)
+    need(j.num_cpus_per_engine > 0, "reward.judge.num_cpus_per_engine", j.num_cpus_per_engine, "must be > 0")
+    one_of("reward.judge.parser", j.parser, JUDGE_PARSERS)
+    need(j.min_score < j.max_score, "reward.judge.max_score", j.max_score,
+         f"must be > reward.judge.min_score ({j.min_score})")
+    within("reward.judge.max_new_tokens", j.max_new_tokens, 1, 4096)
+    at_least("reward.judge.temperature", j.temperature, 0)
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(j.prompt_template) if f is not None}
+    except ValueError:  # an unmatched brace
+        fields = set()
+    need(fields <= {"prompt", "response"} and "response" in fields, "reward.judge.prompt_template", j.prompt_template,
+         "must hold {response} (and may hold {prompt}), no other format field; a literal brace is written twice")
 
 
 def _check_tools(c: Config, problems: list[str], need, at_least, one_of, within) -> None:

@@ -1,5 +1,6 @@
 """The control plane the driver runs on: the engine pool, the worker pool, the supervisor that
-keeps them alive, the run's checkpoints and its step metrics."""
+keeps them alive, the weight sync between the trainer and the engines, the run's checkpoints and
+its step metrics."""
 
 
 class TrainingError(RuntimeError):

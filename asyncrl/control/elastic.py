@@ -27,7 +27,8 @@ from typing import Any
 
 import ray
 
-from asyncrl.config.schema import AutoscaleConfig, Config
+from asyncrl.actors import RunControlHandle
+from asyncrl.config.schema import AutoscaleConfig
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.run_control import start_run_control
 from asyncrl.control.supervisor import Supervisor
@@ -55,17 +56,18 @@ def autoscale_target(idle: list[tuple[float, float]], engines: int, rule: Autosc
 
 
 class Elastic:
-    def __init__(self, cfg: Config, run_dir: Path, engines: EnginePool, workers: WorkerPool, supervisor: Supervisor,
+    def __init__(self, rule: AutoscaleConfig, run_dir: Path, engines: EnginePool, workers: WorkerPool,
+                 supervisor: Supervisor,
                  take_request: Callable[[], ControlRequest] | None = None):
         """`take_request`: where requests come from (default: a RunControl actor of the run's own,
         announced in RUN_DIR/control.json)."""
-        self.cfg, self.engines, self.workers, self.supervisor = cfg, engines, workers, supervisor
-        self.rule = cfg.engine.autoscale
+        self.engines, self.workers, self.supervisor = engines, workers, supervisor
+        self.rule = rule  # engine.autoscale
         self.idle: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.rule.window_steps)
         self.cooldown = 0  # steps before the rule may fire again
         self.wanted: tuple[int, str] | None = None  # a request not applied yet, and its reason
         self.stop_requested = False  # `asyncrl stop`: the driver ends the run after this step
-        self.control = None
+        self.control: RunControlHandle | None = None
         if take_request is None:
             self.control = start_run_control(Path(run_dir))
             take_request = lambda: ray.get(self.control.take_request.remote())  # noqa: E731

@@ -22,9 +22,10 @@ import ray
 from asyncrl import actors
 from asyncrl.config.schema import Config
 from asyncrl.control import TrainingError
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.control.worker_pool import WorkerPool, kill
+from asyncrl.interfaces import EngineHandle
 from asyncrl.messages import EngineActivity, FaultEvent, ScaleEvent, error_line
-from asyncrl.sync.weight_sync import WeightSync
 from asyncrl.trainer.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ class EnginePool:
     def __init__(self, cfg: Config, slots: list | None):
         """`engine.num_engines` engines in `slots`, not started yet (`start`)."""
         self.cfg, self.slots = cfg, list(slots or [])
-        self.engines: list[Any] = actors.create_engines(cfg, slots)  # None: a slot whose engine was removed
-        self.routed = list(self.engines)  # the handles the workers route to
+        # None: a slot whose engine was removed
+        self.engines: list[EngineHandle | None] = actors.create_engines(cfg, slots)
+        self.routed: list[EngineHandle | None] = list(self.engines)  # the handles the workers route to
         self.starting: dict[int, tuple[ray.ObjectRef, FaultEvent | ScaleEvent, float]] = {}  # slot -> its start
         self.created = [1] * len(self.engines)  # engines started in each slot so far (their names' suffix)
         self.own_groups: dict[int, tuple[dict, Any]] = {}  # added slot -> its actor options, placement group
@@ -57,7 +59,7 @@ class EnginePool:
         self.sync.engines = self.live()
         self.sync.connect()
 
-    def live(self) -> list:
+    def live(self) -> list[EngineHandle]:
         """The engines serving now (those still starting left out)."""
         return [e for i, e in enumerate(self.engines) if e is not None and i not in self.starting]
 
@@ -65,13 +67,13 @@ class EnginePool:
         """The run's engines, those starting included."""
         return sum(e is not None for e in self.engines)
 
-    def slot_of(self, engine: Any) -> int:
+    def slot_of(self, engine: EngineHandle) -> int:
         return next(i for i, e in enumerate(self.engines) if e is engine)
 
     def health_probes(self) -> list[tuple[int, ray.ObjectRef]]:
         return [(i, e.health.remote()) for i, e in enumerate(self.engines) if e is not None and i not in self.starting]
 
-    def activity(self) -> dict[Any, EngineActivity]:
+    def activity(self) -> dict[EngineHandle, EngineActivity]:
         """Each live engine's activity totals, by its handle."""
         try:
             engines = self.live()
@@ -222,7 +224,7 @@ class EnginePool:
                 workers.route(i, engine)
                 logger.info("engine-%d's replacement holds version %d: routed to", i, version)
 
-    def pause(self) -> list:
+    def pause(self) -> list[EngineHandle]:
         """Pause every live engine (abort: requests return what they generated); returns those
         paused (one that died since the last health check is left out, and logged)."""
         paused = []
@@ -234,7 +236,7 @@ class EnginePool:
                 logger.warning("an engine failed while pausing: %s", error_line(e))
         return paused
 
-    def resume(self, paused: list) -> int:
+    def resume(self, paused: list[EngineHandle]) -> int:
         """Resume the engines `pause` paused; returns how many did (one that died meanwhile is left
         out, and logged: the caller's health check replaces it)."""
         resumed = 0

@@ -21,7 +21,7 @@ import time
 import ray
 
 from asyncrl.agents.multi_task import WeightedMultiTask
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import EvalConfig
 from asyncrl.control.step_metrics import eval_metrics
 from asyncrl.evaluation import PendingEvaluation
 from asyncrl.messages import error_line
@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 class PeriodicEvaluation:
-    def __init__(self, cfg: Config, agents: WeightedMultiTask, problems: list[Problem]):
-        self.cfg, self.agents, self.problems = cfg, agents, problems
+    def __init__(self, e: EvalConfig, total_steps: int, agents: WeightedMultiTask, problems: list[Problem]):
+        self.eval, self.total_steps, self.agents, self.problems = e, total_steps, agents, problems
         self.running: tuple[PendingEvaluation, int, int] | None = None  # with the version and step it started at
         self.skipped = 0  # evaluations due while another ran
         self.syncs_deferred = 0  # weight syncs held back so far for evaluations to end (a checkpoint keeps it)
@@ -43,10 +43,10 @@ class PeriodicEvaluation:
         training runs: its samples must all be of the policy it evaluates, so the engines keep that
         policy while the trainer trains on, at most eval.max_deferred_syncs syncs in a row; at the
         next, training waits for it here (`eval/waited_s`)."""
-        if self.running is None or not self.cfg.eval.beside_training:
+        if self.running is None or not self.eval.beside_training:
             self.holding = 0
             return False, {}
-        if self.holding < self.cfg.eval.max_deferred_syncs:
+        if self.holding < self.eval.max_deferred_syncs:
             if not self.holding:  # the rollouts' share of the engines is bounded by admission from now on
                 self.unbound(workers)
             self.holding += 1
@@ -60,8 +60,8 @@ class PeriodicEvaluation:
     def after_step(self, step: int, workers: list, version: int, block: bool = False) -> dict[str, float]:
         """Start the evaluation due at `step`, if any, and return the metrics of one that finished
         (`block`: wait for a running one)."""
-        e = self.cfg.eval
-        due = bool(e.every_steps) and step % e.every_steps == 0 and step < self.cfg.trainer.total_steps
+        e = self.eval
+        due = bool(e.every_steps) and step % e.every_steps == 0 and step < self.total_steps
         skipped = {}
         if due and self.running is not None:
             self.skipped += 1
@@ -69,9 +69,19 @@ class PeriodicEvaluation:
             logger.warning("step %d: the evaluation of step %d still runs; this one is skipped (%d so far)", step,
                            self.running[2], self.skipped)
         elif due:
-            self.running = (PendingEvaluation(self.cfg, workers, self.problems, e.periodic_pass_k,
+            self.running = (PendingEvaluation(e, workers, self.problems, e.periodic_pass_k,
                                               beside_training=e.beside_training), version, step)
         return {**skipped, **self._collect(workers, version, block or not e.beside_training)}
+
+    def release_held(self) -> bool:
+        """At the run's end: whether syncs were held back for the last evaluation (the driver does
+        the sync now); no longer held."""
+        held, self.holding = bool(self.holding), 0
+        return held
+
+    def restore(self, syncs_deferred: int) -> None:
+        """From a checkpoint (admission counts the syncs deferred so far as done)."""
+        self.syncs_deferred = syncs_deferred
 
     def unbound(self, workers: list) -> None:
         """The running evaluation may send all its requests at once."""
@@ -83,7 +93,7 @@ class PeriodicEvaluation:
     def _collect(self, workers: list, version: int, block: bool) -> dict[str, float]:
         if self.running is None:
             return {}
-        e = self.cfg.eval
+        e = self.eval
         pending, started_version, started_step = self.running
         if block and e.beside_training:  # nothing else needs the engines now: the evaluation takes them all
             self.unbound(workers)

@@ -1,10 +1,11 @@
-"""The prompts of a run: admission under the staleness bound, the ledger of where each admitted
-prompt is (invariant: none lost, none trained twice), and the batches the trainer takes.
+"""The prompts of a run: admission under the staleness bound, the account of where each admitted
+prompt is (invariant: none lost, none trained twice; `check`), and the batches the trainer takes.
 
 A prompt is admitted (`admit`: dealt to the rollout workers), runs (in a worker, then
-queued), and ends trained, filtered (by the loss's group filter, or stale) or failed (its
+queued), and ends trained, filtered (by the trainer's group filter, or stale) or failed (its
 row refused). `batch` takes B groups from the queue and drops the stale and the duplicates;
-`finish` records what the trainer did with them.
+`finish` records what the trainer did with them. The counts live in one
+`rollout.admission.PromptAccount`; the driver only calls the methods here.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Any
 import ray
 
 from asyncrl.agents.multi_task import WeightedMultiTask
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import AlgorithmConfig
 from asyncrl.control import TrainingError
 from asyncrl.control.step_metrics import rollout_metrics
 from asyncrl.control.worker_pool import WorkerPool
+from asyncrl.interfaces import QueueHandle
 from asyncrl.messages import Admitted, PendingGroupState
-from asyncrl.rollout.admission import PromptLedger, StalenessController
-from asyncrl.trainer.batch import group_filter_reason
+from asyncrl.rollout.admission import PromptAccount, PromptAccountState, StalenessController
 from asyncrl.types import TrajectoryGroup
 
 logger = logging.getLogger(__name__)
@@ -34,28 +35,27 @@ WAIT_SLICE_S = 10.0
 
 
 class Prompts:
-    def __init__(self, cfg: Config, agents: WeightedMultiTask, workers: WorkerPool, queue: Any):
-        self.cfg, self.agents, self.workers, self.queue = cfg, agents, workers, queue
-        a = cfg.algorithm
-        self.staleness = StalenessController(a.max_staleness, a.prompts_per_step, a.sync_every_steps,
-                                             policy_lag=a.policy_lag)
-        self.ledger = PromptLedger()
-        self.trained: list[str] = []  # in order (a prompt trained twice would show)
-        self.duplicates_dropped = 0  # groups of prompts already finished (a dead worker's late put)
+    def __init__(self, algorithm: AlgorithmConfig, wait_timeout_s: float, agents: WeightedMultiTask,
+                 workers: WorkerPool, queue: QueueHandle):
+        """`wait_timeout_s`: how long `batch` waits for the groups of a step (trainer.dist_timeout_s)."""
+        self.prompts_per_step, self.wait_timeout_s = algorithm.prompts_per_step, wait_timeout_s
+        self.agents, self.workers, self.queue = agents, workers, queue
+        self.account = PromptAccount(StalenessController.of(algorithm))
+
+    def use_queue(self, queue: QueueHandle) -> None:
+        """A new queue (the trainer's restart starts one)."""
+        self.queue = queue
 
     def admit(self, version: int) -> None:
         """Start as many new prompts as staleness control allows, spread over the workers."""
-        room = self.staleness.admissible(version)
+        room = self.account.admissible(version)
         all_rejected = 0
         while room > 0:
             problems = [self.agents.next_problem() for _ in range(room)]
             answer = self.workers.submit(problems)
-            for p in problems:
-                self.ledger.admit(p.prompt_id)
-                if p.prompt_id in answer.rejected:
-                    self.ledger.finish(p.prompt_id, "failed", answer.rejected[p.prompt_id].code)
-            self.staleness.on_admitted(answer.accepted, version)
-            room = self.staleness.admissible(version)
+            self.account.admit([p.prompt_id for p in problems],
+                               {p: failure.code for p, failure in answer.rejected.items()}, version)
+            room = self.account.admissible(version)
             all_rejected = all_rejected + 1 if answer.accepted == 0 else 0
             if all_rejected == 3:  # the data (or the config) cannot produce a single usable prompt
                 reasons = collections.Counter(f.code for f in answer.rejected.values())
@@ -67,8 +67,7 @@ class Prompts:
         so that no trained token ever exceeds the bound, and so is a group whose prompt is no
         longer running (a dead worker's group that reached the queue after its prompt was
         restarted; counted in duplicates_dropped)."""
-        b = self.cfg.algorithm.prompts_per_step
-        timeout = self.cfg.trainer.dist_timeout_s
+        b, timeout = self.prompts_per_step, self.wait_timeout_s
         deadline = time.monotonic() + timeout
         while True:  # a health check every WAIT_SLICE_S: the prompts of a dead worker would never come
             try:
@@ -83,26 +82,26 @@ class Prompts:
             check_health()
         fresh, stale = [], []
         for g in groups:
-            if self.ledger.states.get(g.prompt_id) != "running":
-                self.duplicates_dropped += 1
-                logger.warning("dropped group %s: its prompt is %s already", g.group_id,
-                               self.ledger.states.get(g.prompt_id))
-            elif self.staleness.is_fresh(g, version):
+            if (state := self.account.state_of(g.prompt_id)) != "running":
+                self.account.dropped_duplicate()
+                logger.warning("dropped group %s: its prompt is %s already", g.group_id, state)
+            elif self.account.rule.is_fresh(g, version):
                 fresh.append(g)
             else:
                 stale.append(g)
-                self.ledger.finish(g.prompt_id, "filtered", "stale")
+                self.account.filtered(g.prompt_id, "stale")
         return fresh, stale
 
-    def finish(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
-        """The trainer trained on these groups: each prompt is trained, or filtered by the loss's
-        group filter (e.g. all rewards equal). Returns the trained ones."""
+    def finish(self, groups: list[TrajectoryGroup], filtered: dict[str, str]) -> list[TrajectoryGroup]:
+        """The trainer took these groups and filtered `filtered` (prompt id -> why it gave no
+        training signal, e.g. all rewards equal): each prompt is trained or filtered. Returns the
+        trained ones."""
         trained = []
         for g in groups:
-            reason = group_filter_reason(g, self.cfg.algorithm.loss)
-            self.ledger.finish(g.prompt_id, "filtered" if reason else "trained", reason or "")
-            if not reason:
-                self.trained.append(g.prompt_id)
+            if g.prompt_id in filtered:
+                self.account.filtered(g.prompt_id, filtered[g.prompt_id])
+            else:
+                self.account.trained(g.prompt_id)
                 trained.append(g)
         return trained
 
@@ -119,27 +118,62 @@ class Prompts:
         from its prompt otherwise. Returns the prompts restarted, the loops resumed and the
         generated tokens kept."""
         held, queued = self.held()
-        lost = self.ledger.running() - held - queued
+        lost = self.account.running() - held - queued
         resumed = [g for g in mirrored if g.prompt_id in lost]
-        answer = self.workers.restore(resumed, [self.agents.problem_by_id(g.prompt_id) for g in resumed])
         fresh = sorted(lost - {g.prompt_id for g in resumed})
-        answer = Admitted.merge([answer, self.workers.submit([self.agents.problem_by_id(p) for p in fresh])])
-        for prompt_id, failure in answer.rejected.items():
-            self.ledger.finish(prompt_id, "failed", failure.code)
+        self._continue(resumed, fresh)
         return len(fresh), sum(len(g.snapshots) for g in resumed), sum(g.generated_tokens() for g in resumed)
+
+    def _continue(self, resumed: list[PendingGroupState], fresh: list[str]) -> None:
+        """Running prompts go on: `resumed` from their loops' snapshots, `fresh` from their prompts;
+        a prompt the workers refuse now (e.g. a smaller context) fails."""
+        answer = self.workers.restore(resumed, [self.agents.problem_by_id(g.prompt_id) for g in resumed])
+        if fresh:
+            answer = Admitted.merge([answer, self.workers.submit([self.agents.problem_by_id(p) for p in fresh])])
+        for prompt_id, failure in answer.rejected.items():
+            if self.account.state_of(prompt_id) == "running":
+                self.account.failed(prompt_id, failure.code)
+
+    def check(self, version: int) -> None:
+        """The account's invariant, with what the workers and the queue hold: call it after a health
+        check (a worker dead since would hold nothing, and its prompts would read as lost)."""
+        in_workers, in_queue = self.held()
+        self.account.check(version, in_workers | in_queue)
 
     def counts(self) -> dict[str, int]:
         """Every admitted prompt in exactly one state; running ones are where the workers and queue say."""
-        counts = self.ledger.counts()
-        running = self.ledger.running()
+        counts = self.account.counts()
+        running = self.account.running()
         in_workers, in_queue = self.held()
         unaccounted = running - in_queue - in_workers
         if unaccounted:
             logger.error("invariant broken: %d running prompts are neither queued nor in a worker, e.g. %s",
                          len(unaccounted), sorted(unaccounted)[:3])
         counts.update({"queued": len(running & in_queue), "in_workers": len(running - in_queue - unaccounted),
-                       "lost": len(unaccounted), "admitted": len(self.ledger.states)})
+                       "lost": len(unaccounted), "admitted": sum(counts.values())})
         return counts
 
-    def trained_twice(self) -> int:
-        return len(self.trained) - len(set(self.trained))
+    def metrics(self) -> dict[str, int]:
+        return {"batch/duplicates_dropped": self.account.duplicates_dropped, "progress/admitted": self.account.admitted}
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's prompt figures."""
+        return {"prompts": self.counts(), "prompts_trained_twice": self.account.trained_twice(),
+                "duplicates_dropped": self.account.duplicates_dropped}
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state(self) -> PromptAccountState:
+        return self.account.state()
+
+    def resume(self, state: PromptAccountState, version: int, queued: set[str],
+               pending: list[PendingGroupState]) -> int:
+        """Continue from a checkpoint's account: its loops (`pending`) from their snapshots, a running
+        prompt in neither the queue nor `pending` (a remote agent's group, or a queued group the
+        checks dropped) from its prompt. Returns the prompts restarted."""
+        self.account = PromptAccount(self.account.rule, state)
+        self.account.check(version)
+        restart = sorted(self.account.running() - queued - {g.prompt_id for g in pending})
+        self._continue(pending, restart)
+        return len(restart)
+

@@ -6,7 +6,7 @@ ledger and the rollout loops hold, written and read as typed data.
         hf/             the policy as a Hugging Face checkpoint (`asyncrl eval` reads it)
         queue.json      QueueState: the groups queued
         loops.json      [PendingGroupState]: every unfinished group, its loops' snapshots
-        ledger.json     PromptLedger: where every admitted prompt is
+        ledger.json     PromptAccountState: where every admitted prompt is, the order trained in
         run_state.json  RunState, written last: it marks the checkpoint complete
 
 `config.validate.latest_checkpoint` finds the newest complete one.
@@ -14,11 +14,10 @@ ledger and the rollout loops hold, written and read as typed data.
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.evaluation import EvalResult
 from asyncrl.messages import PendingGroupState, QueueState
-from asyncrl.rollout.admission import PromptLedger
+from asyncrl.rollout.admission import PromptAccountState
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
 from asyncrl.trainer.safe_checkpoint import read_checkpoint_bytes
 
@@ -42,10 +41,8 @@ class RunState:
     step: int
     version: int
     samples: int
-    admitted: int
     problem_stream: dict[str, Any]  # WeightedMultiTask.state()
     base_eval: EvalResult
-    trained_prompts: list[str] = field(default_factory=list)  # in order (a prompt trained twice would show)
     syncs_deferred: int = 0  # weight syncs evaluations held back so far (admission counts them as done)
 
     @classmethod
@@ -63,14 +60,13 @@ class RunCheckpoint:
     state: RunState
     queue: QueueState
     loops: list[PendingGroupState]
-    ledger: PromptLedger
+    prompts: PromptAccountState
 
     def write(self, path: Path) -> None:
         """Into `path` (the trainer's state already there); run_state.json last."""
         (path / "queue.json").write_text(json.dumps(self.queue.to_dict()))
         (path / "loops.json").write_text(json.dumps([g.to_dict() for g in self.loops]))
-        (path / "ledger.json").write_text(json.dumps({"states": self.ledger.states,
-                                                      "reasons": dict(self.ledger.reasons)}))
+        (path / "ledger.json").write_text(json.dumps(asdict(self.prompts)))
         (path / "run_state.json").write_text(json.dumps(asdict(self.state)))
 
     @classmethod
@@ -81,11 +77,10 @@ class RunCheckpoint:
         names = ["run_state.json", "queue.json", "ledger.json", *(["loops.json"] if (path / "loops.json").exists()
                                                                   else [])]
         raw = {name: read_checkpoint_bytes(path / name) for name in names}  # every file checked before any is parsed
-        ledger = json.loads(raw["ledger.json"])
         loops = [PendingGroupState.from_dict(g) for g in json.loads(raw.get("loops.json", b"[]"))]
         return cls(state=RunState.from_json(raw["run_state.json"].decode()),
                    queue=QueueState.from_dict(json.loads(raw["queue.json"])), loops=loops,
-                   ledger=PromptLedger(ledger["states"], collections.Counter(ledger["reasons"])))
+                   prompts=PromptAccountState.from_dict(json.loads(raw["ledger.json"])))
 
 
 def drop_untrainable(queue: QueueState, limits: TrajectoryLimits) -> list[str]:

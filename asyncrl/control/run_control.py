@@ -17,10 +17,15 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncrl.config.validate import MAX_WORKERS
 from asyncrl.messages import ControlRequest
+
+# Ray is imported only where it is used (asyncrl.actors imports it): `asyncrl scale` and `asyncrl stop`
+# load this module and must set RAY_AUTH_MODE before Ray loads.
+if TYPE_CHECKING:
+    from asyncrl.actors import RunControlHandle
 
 CONTROL_FILE = "control.json"
 
@@ -44,22 +49,24 @@ class RunControl:
         return request
 
 
-def start_run_control(run_dir: Path) -> Any:
-    """The run's RunControl actor, in a namespace of its own, announced in RUN_DIR/control.json
-    (with Ray's authentication mode: a local cluster uses token authentication, the token in
-    ~/.ray/auth_token, and a client must ask for it before it imports Ray)."""
+def start_run_control(run_dir: Path) -> RunControlHandle:
+    """The run's RunControl actor (built by asyncrl.actors), in a namespace of its own, announced in
+    RUN_DIR/control.json (with Ray's authentication mode: a local cluster uses token authentication,
+    the token in ~/.ray/auth_token, and a client must ask for it before it imports Ray)."""
     import ray
+
+    from asyncrl import actors
 
     where = {"address": ray.get_runtime_context().gcs_address, "namespace": f"asyncrl-{uuid.uuid4().hex[:12]}",
              "name": "asyncrl-control", "auth_mode": os.environ.get("RAY_AUTH_MODE", "")}
-    control = ray.remote(RunControl).options(name=where["name"], namespace=where["namespace"], num_cpus=0).remote()
+    control = actors.create_run_control(where["name"], where["namespace"])
     path = run_dir / CONTROL_FILE
     path.write_text(json.dumps(where) + "\n")
     path.chmod(0o600)
     return control
 
 
-def _control(run_dir: Path, command: str) -> Any:
+def _control(run_dir: Path, command: str) -> RunControlHandle:
     """The RunControl actor of the run in `run_dir` (this process joins its Ray cluster)."""
     path = Path(run_dir) / CONTROL_FILE
     if not path.is_file():

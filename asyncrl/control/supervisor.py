@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import RunConfig
 from asyncrl.control import TrainingError
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.worker_pool import WorkerPool
@@ -31,12 +31,15 @@ from asyncrl.messages import FaultEvent, PendingGroupState, ScaleEvent, error_li
 
 logger = logging.getLogger(__name__)
 
+# run.max_<key>_restarts of each kind of actor that is replaced, where the key is not the kind
+RESTART_KEYS = {"rollout_worker": "worker", "reward_model": "reward", "judge": "reward"}
+
 
 class Supervisor:
-    def __init__(self, cfg: Config, run_dir: Path, engines: EnginePool, workers: WorkerPool,
+    def __init__(self, run: RunConfig, run_dir: Path, engines: EnginePool, workers: WorkerPool,
                  step: Callable[[], int],
                  restart_lost_prompts: Callable[[list[PendingGroupState]], tuple[int, int, int]]):
-        self.cfg, self.run_dir, self.engines, self.workers = cfg, Path(run_dir), engines, workers
+        self.run, self.run_dir, self.engines, self.workers = run, Path(run_dir), engines, workers
         self.step = step  # the run's current step, for the events
         self.restart_lost_prompts = restart_lost_prompts  # (a dead worker's mirror) -> restarted, resumed, kept
         self.restarts: collections.Counter[str] = collections.Counter()  # kind -> replacements so far
@@ -45,14 +48,16 @@ class Supervisor:
         engines.on_dead = workers.on_dead = self.check_health
 
     def check_health(self) -> bool:
-        """Ask every engine and rollout worker whether it is alive (a hung one does not answer
-        within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
-        timeout = self.cfg.run.health_timeout_s
+        """Ask every engine, rollout worker and reward model replica whether it is alive (a hung one
+        does not answer within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
+        timeout = self.run.health_timeout_s
         self.poll_starting()
         probes = [("engine", i, ref) for i, ref in self.engines.health_probes()]
         probes += [("rollout_worker", i, ref) for i, ref in enumerate(self.workers.health_probes())]
+        probes += [(name, i, a.health.remote()) for name, group in self.workers.services.items()
+                   for i, a in enumerate(group)]
         ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
-        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}}
+        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}, "reward_model": {}, "judge": {}}
         for kind, i, ref in probes:
             if ref not in ready:
                 dead[kind][i] = f"no answer to a health check within {timeout:g}s (run.health_timeout_s)"
@@ -63,15 +68,18 @@ class Supervisor:
                 dead[kind][i] = error_line(e)
         if dead["engine"]:
             self.replace_engines(dead["engine"])
+        for name in ("reward_model", "judge"):  # before the workers: a new worker gets the new service
+            for i, why in dead[name].items():
+                self._replace_reward_service(name, i, why)
         for i, why in dead["rollout_worker"].items():
             self._replace_worker(i, why)
-        return bool(dead["engine"] or dead["rollout_worker"])
+        return any(dead.values())
 
     def replace_engines(self, why: dict[int, str]) -> None:
         """Replace the engines of these slots and form a new broadcast group without them; with no
         live engine left, wait for a replacement (nothing can generate)."""
         for i, reason in why.items():
-            self.count_restart("engine", self.cfg.run.max_engine_restarts, reason)
+            self.count_restart("engine", self.run.max_engine_restarts, reason)
             logger.warning("engine-%d failed: %s; starting a replacement", i, reason)
             self.engines.replace(i, FaultEvent("engine", f"engine-{i}", self.step(), reason))
         self.engines.reform_group()
@@ -93,7 +101,7 @@ class Supervisor:
 
     def _replace_worker(self, i: int, why: str) -> None:
         """A new worker in the dead one's bundle; every prompt the dead one held starts again."""
-        self.count_restart("rollout_worker", self.cfg.run.max_worker_restarts, why)
+        self.count_restart("rollout_worker", self.run.max_worker_restarts, why)
         event = FaultEvent("rollout_worker", f"rollout-worker-{i}", self.step(), why)
         logger.warning("rollout-worker-%d failed: %s; starting a replacement", i, why)
         t0 = time.monotonic()
@@ -106,11 +114,23 @@ class Supervisor:
         event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
         self.record(event)
 
+    def _replace_reward_service(self, name: str, i: int, why: str) -> None:
+        """A new replica of the reward model, or engine of the judge; the samples the dead one was
+        scoring got reward 0 (counted as reward_model_error / judge_error), their prompts go on."""
+        self.count_restart(name, self.run.max_reward_restarts, why)
+        actor = f"{name.replace('_', '-')}-{i}"
+        event = FaultEvent(name, actor, self.step(), why)
+        logger.warning("%s failed: %s; starting a replacement", actor, why)
+        t0 = time.monotonic()
+        self.workers.replace_reward_service(name, i, restart=self.restarts[name])
+        event.phases_s = {f"start_{name}_s": time.monotonic() - t0}
+        self.record(event)
+
     def count_restart(self, kind: str, limit: int, why: str) -> None:
         """Count one more replacement of `kind`, or stop the run past `limit`."""
         if self.restarts[kind] >= limit:
             raise TrainingError(f"{kind.replace('_', ' ')} failed ({why}) after {self.restarts[kind]} "
-                                f"replacement(s): run.max_{'worker' if kind == 'rollout_worker' else kind}_restarts"
+                                f"replacement(s): run.max_{RESTART_KEYS.get(kind, kind)}_restarts"
                                 f"={limit} reached")
         self.restarts[kind] += 1
 

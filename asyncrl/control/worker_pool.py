@@ -15,16 +15,25 @@ import ray
 
 from asyncrl import actors
 from asyncrl.config.schema import Config
+from asyncrl.interfaces import EngineHandle, QueueHandle
 from asyncrl.messages import Admitted, PendingGroupState, WorkerStats
 from asyncrl.tasks import Problem
 
 
 class WorkerPool:
-    def __init__(self, cfg: Config, queue: Any, engines: list, slots: list | None, restart: int = 0):
-        """Start `rollout.num_workers` workers routing to `engines`, emitting to `queue`, in
-        `slots` (their placement-group bundles)."""
+    def __init__(self, cfg: Config, queue: QueueHandle, engines: list[EngineHandle | None], slots: list | None,
+                 restart: int = 0, reward_slots: dict[str, list] | None = None):
+        """Start the run's reward services (reward.model's replicas, reward.judge's engines, in
+        `reward_slots` by name) if it has them, then `rollout.num_workers` workers routing to
+        `engines` (None: a slot whose engine was removed), emitting to `queue`, in `slots` (their
+        placement-group bundles), scoring with the services too."""
         self.cfg, self.queue, self.slots = cfg, queue, slots
-        self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart)
+        self.reward_slots = reward_slots or {}
+        self.services: dict[str, list] = {  # reward service -> its actors, by index
+            "reward_model": actors.create_reward_models(cfg, self.reward_slots.get("reward_model")),
+            "judge": actors.create_judge_engines(cfg, self.reward_slots.get("judge"))}
+        self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart,
+                                                     **self._services())
         self.last_stats: dict[int, WorkerStats] = {}  # each live worker's latest report
         self.retired_stats: list[WorkerStats] = []  # the last reports of replaced workers
         self.mirrors: list[ray.ObjectRef | None] = [None] * len(self.handles)  # each worker's unfinished groups
@@ -73,7 +82,7 @@ class WorkerPool:
     def pending_prompts(self) -> set[str]:
         return {p for ps in self._each(lambda w: w.pending_prompts.remote()) for p in ps}
 
-    def route(self, index: int, engine: Any) -> None:
+    def route(self, index: int, engine: EngineHandle) -> None:
         """Every worker routes to `engine` in engine slot `index`."""
         self._each(lambda w: w.replace_engine.remote(index, engine))
 
@@ -102,36 +111,59 @@ class WorkerPool:
         except Exception:  # it died during the mirror
             return []
 
+    def _services(self) -> dict[str, list]:
+        return {"reward_models": list(self.services["reward_model"]), "judges": list(self.services["judge"])}
+
+    def replace_reward_service(self, name: str, index: int, restart: int) -> None:
+        """A new actor `index` of reward service `name` (the reward model's replica, or the judge's
+        engine; the old one killed), which every worker scores with from now on."""
+        kill(self.services[name][index])
+        where = actors.slot(self.reward_slots.get(name), index)
+        if name == "judge":
+            new = actors.create_judge_engine(self.cfg, index, where, restart)
+            actors.start_engines([new])
+        else:
+            new = actors.create_reward_model(self.cfg, index, where, restart)
+            ray.get(new.health.remote())  # loaded
+        self.services[name][index] = new
+        self._each(lambda w: w.replace_reward_service.remote(name, index, new))
+
     def health_probes(self) -> list[ray.ObjectRef]:
         return [w.health.remote() for w in self.handles]
 
     # -- replacing ---------------------------------------------------------------------
 
-    def replace(self, i: int, engines: list, restart: int) -> WorkerStats | None:
+    def replace(self, i: int, engines: list[EngineHandle | None], restart: int) -> WorkerStats | None:
         """A new worker in worker `i`'s bundle (the old one killed); returns the old one's last report."""
         kill(self.handles[i])
         last = self.last_stats.pop(i, None)
         if last is not None:
             self.retired_stats.append(last)
         self.handles[i] = actors.create_rollout_worker(self.cfg, i, engines, self.queue, actors.slot(self.slots, i),
-                                                       restart=restart)
+                                                       restart=restart, **self._services())
         self.mirrors[i] = None
         ray.get(self.handles[i].health.remote())  # constructed
         return last
 
-    def restart_all(self, queue: Any, engines: list, restart: int) -> None:
+    def restart_all(self, queue: QueueHandle, engines: list[EngineHandle | None], restart: int) -> None:
         """New workers for all (the old ones killed), emitting to a new `queue`."""
         for w in self.handles:
             kill(w)
         self.retired_stats += list(self.last_stats.values())
         self.last_stats.clear()
         self.queue = queue
-        self.handles = actors.create_rollout_workers(self.cfg, engines, queue, self.slots, restart=restart)
+        self.handles = actors.create_rollout_workers(self.cfg, engines, queue, self.slots, restart=restart,
+                                                     **self._services())
         self.mirrors = [None] * len(self.handles)
 
     def kill(self) -> None:
         for w in self.handles:
             kill(w)
+
+    def shutdown(self) -> None:
+        """The run is over: the workers and the reward services."""
+        for actor in [*self.handles, *self.services["reward_model"], *self.services["judge"]]:
+            kill(actor)
 
 
 def kill(actor: Any) -> None:

@@ -33,26 +33,24 @@ reload leaves the engine dead.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import re
-import struct
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
-from pathlib import Path
 from typing import TypeVar
 
-import psutil
 import safetensors.torch
 import torch
 
 from asyncrl.config.schema import EngineConfig
 from asyncrl.cpu_cores import bind_this_process
+from asyncrl.engine.adapter_slots import AdapterSlots, lora_id
 from asyncrl.engine.pause import check_pause
+from asyncrl.engine.process_tree import process_tree, tree_cores, tree_rss_gib, vllm_processes
 from asyncrl.engine.vllm_compat import engine_dead_error, max_concurrent_batches, pause_scheduler
 from asyncrl.engine.vllm_env import configure_vllm_env, vllm_engine_kwargs, vllm_sampling_params
+from asyncrl.engine.weight_specs import checkpoint_tensor_specs, weight_problems
 from asyncrl.inference.channel import ChannelAddress, ChannelServer
 from asyncrl.messages import EngineActivity, EngineStartInfo, WeightUpdateReport
 from asyncrl.sync.collective import BucketPlan
@@ -67,9 +65,6 @@ ABORT_GRACE_S = 0.1
 ABORT_GIVE_UP_S = 60.0  # an abort pause that cannot empty the engine fails (the engine is replaced) instead of hanging
 # How often a call waiting on the engine core (a health check, a weight update) looks whether the core died.
 HEALTH_POLL_S = 0.5
-# Tied embeddings: checkpoints may or may not store lm_head.weight; vLLM ties it either way.
-_TIED_OPTIONAL = {"lm_head.weight"}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class EngineFailed(RuntimeError):
@@ -88,17 +83,9 @@ class EngineActor:
                  stream_outputs: bool = True, return_routes: bool = False, lora_rank: int = 0,
                  lora_versions: int = 1, adapter_path: str = ""):
         self.engine_id = engine_id
-        # trainer.lora: the base model stays; each sync brings the policy as a LoRA adapter
-        # (registered from memory as id version + 1), which every request then uses.
-        self.lora_rank = lora_rank
-        self._adapter_config: dict | None = None  # PEFT's adapter_config, from init_weight_group
-        self._lora_request = None  # the current policy's vLLM LoRARequest; None: the base model
-        self.adapter_path = adapter_path  # a PEFT adapter on disk to serve (asyncrl eval)
-        # pause mode `none`: the policy versions whose adapters stay registered at once (each
-        # request finishes on the adapter it started with), and the requests on each
-        self.lora_versions = lora_versions
-        self._adapters: set[int] = set()  # the versions whose adapters are registered
-        self._on_adapter: dict[int, set[str]] = {}  # adapter's version -> requests generating with it
+        # trainer.lora: the base model stays; each sync brings the policy as a LoRA adapter, which
+        # new requests then use (pause mode `none`: several at once). `adapter_path`: asyncrl eval's.
+        self.adapters = AdapterSlots(lora_rank, lora_versions, adapter_path)
         # Routing replay (R3): each result carries the experts its tokens were routed to.
         self.return_routes = return_routes
         self.routes_missing = 0  # positions a request forwarded without routes recorded (should stay 0)
@@ -120,7 +107,7 @@ class EngineActor:
         self._idle = asyncio.Event()  # set while no request is outstanding
         self._idle.set()
         self._pause_is_immediate = False  # set in start()
-        self._expected_weights = _checkpoint_tensor_specs(model_path)
+        self._expected_weights = checkpoint_tensor_specs(model_path)
         self._channel: ChannelServer | None = None
         self._channel_address: ChannelAddress | None = None
         self._failed = ""  # why vLLM can no longer serve (its engine core died); empty: it can
@@ -136,8 +123,8 @@ class EngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.lora_rank,
-                                    self.lora_versions)
+        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.adapters.rank,
+                                    self.adapters.versions)
         if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
             kwargs["enable_prefix_caching"] = False
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)
@@ -153,14 +140,11 @@ class EngineActor:
                                "(nothing packed, or quantized layers: vLLM's own load path)", self.engine_id)
         if self.return_routes:
             await self._llm.collective_rpc("asyncrl_record_routes")
-        if self.adapter_path:  # vLLM's own adapter loading, from the directory
-            from vllm.lora.request import LoRARequest
-
-            self._lora_request = LoRARequest("asyncrl-adapter", 1, self.adapter_path)
-        tree = _tree()
+        self.adapters.serve_path()
+        tree = process_tree()
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
-        info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=_tree_rss_gib(tree), cpu_cores=_tree_cores(tree),
-                               vllm_processes=_vllm_processes(tree), model_in_engine_core=parents == [os.getpid()],
+        info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=tree_rss_gib(tree), cpu_cores=tree_cores(tree),
+                               vllm_processes=vllm_processes(tree), model_in_engine_core=parents == [os.getpid()],
                                plain_weights=plain)
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info.start_s, info.rss_gib, kwargs["dtype"], self.device, info.cpu_cores)
@@ -239,9 +223,8 @@ class EngineActor:
         self._idle.clear()
         # trainer.lora: the adapter a request starts on (or the base model, version 0) serves it
         # to its end, and its tokens carry that version.
-        lora, start_version, own_policy = self._lora_request, self.version, self.lora_rank > 0
-        if own_policy:
-            self._on_adapter.setdefault(start_version, set()).add(request_id)
+        start_version, own_policy = self.version, self.adapters.enabled
+        lora = self.adapters.begin(request_id, start_version)
         try:
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, request_id,
                                         lora_request=lora)
@@ -270,7 +253,7 @@ class EngineActor:
             self._account()
             self._outstanding.discard(request_id)
             if own_policy:
-                self._on_adapter[start_version].discard(request_id)
+                self.adapters.end(request_id, start_version)
                 self._retire_adapters()
             if not self._outstanding:
                 self._idle.set()
@@ -404,14 +387,8 @@ class EngineActor:
         region instead (`share`: what rank 0 returned for it; asyncrl.sync.shared_buckets)."""
         plan = BucketPlan.from_wire(plan_wire)
         specs = {name: shape for name, (shape, _) in plan.specs().items()}
-        if (adapter_config is not None) != bool(self.lora_rank):
-            sends = "an adapter" if adapter_config else "whole weights"
-            raise ValueError(f"engine-{self.engine_id}: the trainer sends {sends} but this engine was started "
-                             f"{'with' if self.lora_rank else 'without'} LoRA")
-        if adapter_config is not None:
-            self._check_adapter_specs(specs, int(adapter_config["r"]))
-            self._adapter_config = adapter_config
-        else:
+        self.adapters.expect(adapter_config, self._expected_weights, specs, self.engine_id)
+        if adapter_config is None:
             self._check_specs(specs)
         await self._watched(self._llm.collective_rpc(
             "asyncrl_init_weight_group",
@@ -436,9 +413,9 @@ class EngineActor:
         pause = self._pause_core(pause_mode)
         if not (pause_mode == "abort" and self._pause_is_immediate):
             await self._watched(pause)
-        if self._adapter_config is not None:
+        if self.adapters.config is not None:
             receive = asyncio.ensure_future(self._llm.collective_rpc(
-                "asyncrl_receive_adapter", args=(version + 1, self._adapter_config)))
+                "asyncrl_receive_adapter", args=(lora_id(version), self.adapters.config)))
         else:
             receive = asyncio.ensure_future(self._llm.collective_rpc("asyncrl_receive_weights"))
         await self._watched(pause)
@@ -453,7 +430,7 @@ class EngineActor:
             t2 = time.monotonic()
             await self._watched(resume)
             self.version = version
-            self._use_adapter(version)
+            self.adapters.use(version)
             self._accepting.set()
         else:
             # `keep`: the frozen requests go on at the core's resume, and their tokens must
@@ -461,7 +438,7 @@ class EngineActor:
             results = await self._watched(receive)
             t2 = time.monotonic()
             self.version = version
-            self._use_adapter(version)
+            self.adapters.use(version)
             await self.resume()
         t3 = time.monotonic()
         self._retire_adapters()  # the previous one: every request on it was aborted
@@ -484,11 +461,11 @@ class EngineActor:
         (their loops continue on the newest, as after an abort pause); an adapter is removed once
         no request uses it."""
         results = await self._watched(self._llm.collective_rpc(
-            "asyncrl_receive_adapter", args=(version + 1, self._adapter_config)))
+            "asyncrl_receive_adapter", args=(lora_id(version), self.adapters.config)))
         t1 = time.monotonic()
         self.version = version
-        self._use_adapter(version)
-        aborted = [rid for v, users in self._on_adapter.items() if v <= version - self.lora_versions for rid in users]
+        self.adapters.use(version)
+        aborted = self.adapters.outside_window(version)
         if aborted:
             await self._llm.abort(aborted)
         self._retire_adapters()
@@ -496,55 +473,16 @@ class EngineActor:
                             aborted=len(aborted))
 
     def _retire_adapters(self) -> None:
-        """Remove the registered adapters that no request uses and that no longer serve new
-        requests (vLLM's engine dies if a request's adapter is removed under it)."""
-        for version in sorted(self._adapters - {self.version}):
-            if not self._on_adapter.get(version):
-                self._adapters.discard(version)
-                self._on_adapter.pop(version, None)
-                task = asyncio.ensure_future(self._llm.remove_lora(version + 1))
-                self._discarding.add(task)
-                task.add_done_callback(self._discarding.discard)
-
-    def _use_adapter(self, version: int) -> None:
-        """New requests use the adapter of `version` (just received), if the policy is one."""
-        if self._adapter_config is not None:
-            from vllm.lora.request import LoRARequest
-
-            # vLLM tells adapters apart by name (and keys its prefix cache by it): one per version.
-            # The path is never read: the adapter is registered from memory (vllm_compat.register_lora).
-            self._lora_request = LoRARequest(f"asyncrl-policy-v{version}", version + 1,
-                                             f"/asyncrl/in-memory/v{version}")
-            self._adapters.add(version)
-
-    def _check_adapter_specs(self, shapes: dict[str, tuple[int, ...]], rank: int) -> None:
-        """Each PEFT tensor must adapt a linear weight of the checkpoint: lora_A [rank, in], lora_B [out, rank]."""
-        problems = []
-        for name, shape in shapes.items():
-            m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", name)
-            base = self._expected_weights.get(f"{m.group(1)}.weight") if m else None
-            if base is None or len(base[0]) != 2:
-                problems.append(f"{name}: adapts no linear weight of the checkpoint")
-                continue
-            out, inp = base[0]
-            want = (rank, inp) if m.group(2) == "A" else (out, rank)
-            if tuple(shape) != want:
-                problems.append(f"{name}: shape {tuple(shape)}, expected {want}")
-        if problems:
-            raise ValueError(f"engine-{self.engine_id}: refusing the adapter ({'; '.join(problems[:5])})")
+        """Remove from vLLM, in the background, the adapters no request uses any more and that no
+        longer serve new requests (AdapterSlots.retire)."""
+        for adapter_id in self.adapters.retire(self.version):
+            task = asyncio.ensure_future(self._llm.remove_lora(adapter_id))
+            self._discarding.add(task)
+            task.add_done_callback(self._discarding.discard)
 
     def _check_specs(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Refuse names or shapes that differ from the checkpoint: a failed reload kills vLLM."""
-        expected = self._expected_weights
-        missing = sorted(set(expected) - set(shapes) - _TIED_OPTIONAL)
-        unknown = sorted(set(shapes) - set(expected))
-        problems = []
-        if missing:
-            problems.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        if unknown:
-            problems.append(f"unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        problems += [f"{name}: shape {tuple(shape)}, expected {expected[name][0]}"
-                     for name, shape in shapes.items() if name in expected and tuple(shape) != expected[name][0]]
+        problems = weight_problems(self._expected_weights, shapes)
         if problems:
             raise ValueError(f"engine-{self.engine_id}: refusing weights ({'; '.join(problems)}); "
                              f"the engine keeps version {self.version}")
@@ -558,58 +496,3 @@ class EngineActor:
                              f"the engine keeps version {self.version}")
         return {name: t.detach().to(device="cpu", dtype=self._expected_weights[name][1]).contiguous()
                 for name, t in state_dict.items()}
-
-
-def _checkpoint_tensor_specs(model_path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of every tensor in the checkpoint, from the safetensors headers."""
-    specs = {}
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_path}")
-    for path in files:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                specs[name] = (tuple(meta["shape"]), _SAFETENSORS_DTYPES.get(meta["dtype"], torch.float32))
-    return specs
-
-
-def _tree() -> list[psutil.Process]:
-    """This process and its children (vLLM's EngineCore and workers)."""
-    proc = psutil.Process(os.getpid())
-    return [proc, *proc.children(recursive=True)]
-
-
-def _tree_rss_gib(tree: list[psutil.Process]) -> float:
-    total = 0
-    for p in tree:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**30
-
-
-def _vllm_processes(tree: list[psutil.Process]) -> list[str]:
-    """vLLM's processes under this actor, by title (VLLM::EngineCore, VLLM::Worker...)."""
-    names = []
-    for p in tree[1:]:
-        try:
-            names.append(p.name())  # the title vLLM set (also as comm, so no need to parse cmdline)
-        except psutil.NoSuchProcess:
-            pass
-    return sorted(n for n in names if n.startswith("VLLM::"))
-
-
-def _tree_cores(tree: list[psutil.Process]) -> list[int]:
-    """The cores this engine's processes may run on (all their threads)."""
-    cores: set[int] = set()
-    for p in tree:
-        try:
-            for t in p.threads():
-                cores.update(os.sched_getaffinity(t.id))
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            pass
-    return sorted(cores)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from asyncrl.torch_compat import foreach_copy
+
 logger = logging.getLogger(__name__)
 
 # In-place ops a loader may apply to a parameter without reading the checkpoint (vocabulary padding).
@@ -168,4 +170,4 @@ class LoadPlan:
             for dst, src in zip(dsts, srcs):
                 dst.copy_(src)
         elif dsts:
-            torch._foreach_copy_(dsts, srcs)
+            foreach_copy(dsts, srcs)

@@ -181,10 +181,11 @@ class _Replica:
 
 
 class SimEngine:
-    """An engine of simulated time with EngineActor's methods (the driver, the workers' routers
-    and WeightSync cannot tell them apart). With engine.sim.replicas = r one actor stands for r
-    engines (each a batch of its own; a request goes to the least loaded): a Ray actor process
-    costs about 1 % of a core even idle, so a scenario's hundreds of engines would not fit here."""
+    """An engine of simulated time with EngineActor's methods (asyncrl.interfaces.EngineInterface:
+    the driver, the workers' routers and WeightSync cannot tell them apart). With
+    engine.sim.replicas = r one actor stands for r engines (each a batch of its own; a request goes
+    to the least loaded): a Ray actor process costs about 1 % of a core even idle, so a scenario's
+    hundreds of engines would not fit here."""
 
     def __init__(self, engine_id: int, model_path: str, tokenizer_path: str, engine: EngineConfig, device: str,
                  stream_outputs: bool = True, time_scale: float = 1.0, receive_s: float = 0.0,

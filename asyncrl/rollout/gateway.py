@@ -10,7 +10,7 @@ policy version that produced it).
 (prompt as token ids or text; `token_ids`, `logprobs.token_logprobs` and asyncrl's
 `versions` in each choice), guarded by a random bearer key. Env-server agents generate
 through it during training; `endpoint` is what a remote agent hands them. It is served as the
-env server is (asyncrl/agents/server.py: `guarded`, `uvicorn_config`): the key checked from the
+env server is (asyncrl/agents/http_guard.py: `guarded`, `uvicorn_config`): the key checked from the
 headers before any of the body is read, bodies of at most `GATEWAY_LIMITS.max_request_bytes`
 within its read deadline, strict JSON, and the env server's connection budget.
 """
@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.agents.server import ServerLimits, guarded, uvicorn_config
+from asyncrl.agents.http_guard import ServerLimits, guarded, uvicorn_config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.inference.stops import cut_at_split_stop
 from asyncrl.types import GenerationResult, SamplingSpec

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from asyncrl.inference.channel import EngineChannel, EngineUnavailable
 from asyncrl.inference.protocol import InferenceInterface
+from asyncrl.interfaces import EngineHandle
 from asyncrl.types import GenerationResult, SamplingSpec
 
 logger = logging.getLogger(__name__)
 
 
 class EngineRouter:
-    def __init__(self, engines: list[Any]):
-        """`engines`: Ray actor handles of EngineActors."""
+    def __init__(self, engines: list[EngineHandle | None]):
+        """`engines`: None in a slot whose engine was removed (its channel fails to open: routed around)."""
         if not engines:
             raise ValueError("a rollout worker needs at least one engine")
         self.engines = list(engines)
@@ -43,7 +43,7 @@ class EngineRouter:
         self._any_live.set()
 
     @staticmethod
-    def _channel(i: int, engine: Any) -> EngineChannel:
+    def _channel(i: int, engine: EngineHandle | None) -> EngineChannel:
         return EngineChannel(lambda e=engine: e.open_channel.remote(), f"engine-{i}")
 
     def pick(self) -> int:
@@ -63,7 +63,7 @@ class EngineRouter:
         if len(self.failed) == len(self.engines):
             self._any_live.clear()
 
-    def replace(self, index: int, engine: Any) -> None:
+    def replace(self, index: int, engine: EngineHandle) -> None:
         """Route to `engine` in slot `index`: a replacement for a failed or removed engine, or a
         new slot at the end (an engine added to the run)."""
         if index == len(self.engines):

@@ -36,8 +36,9 @@ def model_limits(model_path: str) -> TrajectoryLimits:
 
     raw, _ = PreTrainedConfig.get_config_dict(model_path)
     raw = raw.get("text_config", raw)
-    experts = raw.get("num_experts") or raw.get("num_local_experts")
-    routes = (int(raw["num_hidden_layers"]), int(raw["num_experts_per_tok"]), int(experts)) if experts else None
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts")  # DeepSeek's
+    layers = int(raw["num_hidden_layers"]) - int(raw.get("first_k_dense_replace") or 0)  # the MoE layers route
+    routes = (layers, int(raw["num_experts_per_tok"]), int(experts)) if experts else None
     return TrajectoryLimits(int(raw["vocab_size"]), routes=routes)
 
 

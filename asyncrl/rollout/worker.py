@@ -20,6 +20,8 @@ Lifecycle of a submitted problem:
   4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure. A loop that raises becomes a failed trajectory (counted), never a crash.
+     With a reward model (reward.model), its score joins the env's reward
+     (asyncrl/rollout/reward_client.py), under the same timeout.
   5) When all n trajectories are finished, the group goes to the sink.
 `checkpoint()` (while interrupted) hands the driver every unfinished group: its finished
 samples and its loops' snapshots; `restore()` continues such groups, in any worker.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import time
@@ -42,14 +45,16 @@ from typing import Any
 from agent_loops import any_uses_tools, get_agent_loop
 from agent_loops.chat import ChatTemplateError, prompt_token_ids
 from agent_loops.tools import check_sandbox
-from asyncrl.agents.api import Agent, EvaluationResponse, load_tokenizer, run_sample
+from asyncrl.agents.api import Agent, AgentSettings, EvaluationResponse, load_tokenizer, run_sample
 from asyncrl.agents.multi_task import WeightedMultiTask
 from asyncrl.agents.registry import build_agents
-from asyncrl.config.schema import Config
+from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
+from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
+from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits, trajectory_problem
 from asyncrl.tasks import Problem
@@ -109,30 +114,58 @@ class BoundedInference(InferenceInterface):
             self.changed.notify_all()
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a rollout worker reads of the run's config (`of`: actors.py makes it)."""
+
+    agents: AgentSettings  # the tokenizer, sampling, max_model_len and tools its loops run with
+    model_path: str  # its config.json bounds a remote group's tokens
+    n_samples_per_prompt: int
+    max_concurrent_loops: int
+    cpu_cores: str  # rollout.cpu_cores
+    reward: RewardConfig  # with reward.model.path: the weights of the reward model's score and the env's
+
+    @classmethod
+    def of(cls, cfg: Config) -> WorkerSettings:
+        r = cfg.rollout
+        return cls(AgentSettings.of(cfg), cfg.model.path, cfg.algorithm.n_samples_per_prompt, r.max_concurrent_loops,
+                   r.cpu_cores, cfg.reward)
+
+
+def agents_of(cfg: Config) -> Callable[[], WeightedMultiTask]:
+    """The run's agents, built where they are called (in a worker's process: they hold tokenizers and
+    the recipe's hooks)."""
+    return functools.partial(build_agents, cfg)
+
+
 class RolloutWorker:
     """Runs agent loops for submitted problems; see the module docstring for the lifecycle."""
 
-    def __init__(self, worker_id: int, cfg: Config, engines: list[Any], sink: Any | None = None,
-                 agents: WeightedMultiTask | None = None, sampling: SamplingSpec | None = None,
-                 inference: Callable[[], InferenceInterface] | None = None):
-        """`engines`: EngineActor handles, routed by an `EngineRouter`. `inference`: where each
-        sample generates instead (called once per sample; tests give a scripted engine and no
-        engines)."""
+    def __init__(self, worker_id: int, settings: WorkerSettings, engines: list[EngineHandle | None],
+                 agents: WeightedMultiTask | Callable[[], WeightedMultiTask], sink: QueueHandle | None = None,
+                 sampling: SamplingSpec | None = None, inference: Callable[[], InferenceInterface] | None = None,
+                 reward_models: list[RewardModelHandle] | None = None, judges: list[EngineHandle] | None = None):
+        """`engines`: EngineActor handles, routed by an `EngineRouter`. `agents`: built, or how to
+        build them here (`agents_of`). `inference`: where each sample generates instead (called once
+        per sample; tests give a scripted engine and no engines). `reward_models`, `judges`: the
+        replicas of the run's reward model (reward.model) and its judge's engines (reward.judge), which
+        score every finished training sample too (asyncrl/rollout/reward_client.py)."""
         self.worker_id = worker_id
-        self.cfg = cfg
-        bind_this_process(cfg.rollout.cpu_cores)
+        self.settings = s = settings
+        bind_this_process(s.cpu_cores)
         self.router = EngineRouter(engines) if inference is None else None
         self.inference = inference or self.router.client
         self.sink = sink
-        self.agents = agents or build_agents(cfg)
+        self.agents = agents if isinstance(agents, WeightedMultiTask) else agents()
         if any_uses_tools(a.agent_loop for a in self.agents.agents.values()):
-            check_sandbox(cfg.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                                        cfg.model.chat_template)  # the agents' too
-        self.sampling = sampling or SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens,
-                                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+            check_sandbox(s.agents.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
+        self.tokenizer = load_tokenizer(s.agents.tokenizer_path, s.agents.chat_template)  # the agents' too
+        self.sampling = sampling or replace(s.agents.sampling)
+        services = ([(RewardModelClient(list(reward_models)), s.reward.model.weight)] if reward_models else []) + \
+            ([(JudgeClient(list(judges), s.reward.judge), s.reward.judge.weight)] if judges else [])
+        self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, services) if services else None
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
-        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrent_loops)
+        self._slots = asyncio.Semaphore(s.max_concurrent_loops)
         self._interrupt = asyncio.Event()
         self._running = asyncio.Event()  # the opposite of _interrupt, for the gateway's waiting requests
         self._bounded_evaluations: set[BoundedInference] = set()  # evaluations beside training, running
@@ -153,7 +186,7 @@ class RolloutWorker:
     async def submit(self, problems: list[Problem], n: int | None = None) -> Admitted:
         """Start n samples of each problem (default: algorithm.n_samples_per_prompt). Answers
         how many problems were accepted and why each other one was refused (also counted)."""
-        n = n or self.cfg.algorithm.n_samples_per_prompt
+        n = n or self.settings.n_samples_per_prompt
         answer = Admitted()
         for problem in problems:
             self.stats.prompts_submitted += 1
@@ -313,7 +346,15 @@ class RolloutWorker:
                        failures=dict(self.stats.failures),
                        tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [],
-                       cpu_s=time.process_time())
+                       cpu_s=time.process_time(),
+                       reward_services={name: (st.calls, st.seconds) for name, st in self.rewards.stats.items()}
+                       if self.rewards else {})
+
+    def replace_reward_service(self, name: str, index: int, actor: RewardModelHandle | EngineHandle) -> None:
+        """Replica `index` of the reward model ("reward_model") or the judge's engine `index` ("judge")
+        died: its replacement."""
+        if self.rewards is not None and (client := self.rewards.client(name)) is not None:
+            client.replace(index, actor)
 
     def _count(self, failure: Failure) -> None:
         self.stats.failures[failure.code] = self.stats.failures.get(failure.code, 0) + 1
@@ -333,9 +374,8 @@ class RolloutWorker:
             failure = Failure("bad_chat_template", str(e))
         if failure is None and not ids:
             failure = Failure("empty_prompt")
-        elif failure is None and len(ids) >= self.cfg.engine.max_model_len:
-            failure = Failure("prompt_too_long",
-                              f"{len(ids)} tokens, engine.max_model_len={self.cfg.engine.max_model_len}")
+        elif failure is None and len(ids) >= (limit := self.settings.agents.max_model_len):
+            failure = Failure("prompt_too_long", f"{len(ids)} tokens, engine.max_model_len={limit}")
         if failure is not None:
             self._count(failure)
             logger.warning("worker-%d rejected prompt %s: %s", self.worker_id, problem.prompt_id, failure)
@@ -360,6 +400,9 @@ class RolloutWorker:
                 self.stats.resumes += 1
                 self._spawn(group, index, done.snapshot)
             return
+        scored = done.failure is None and done.trajectory.status is not TrajectoryStatus.FAILED
+        if scored and self.rewards is not None:
+            done.failure = await self.rewards.score(group.problem, done.trajectory)  # 4)
         if done.failure is not None:  # 4)
             self._count(done.failure)
             logger.warning("worker-%d: %s on %s", self.worker_id, done.failure, group.group_id)
@@ -396,7 +439,7 @@ class RolloutWorker:
         """What a remote group's tokens may be: the model's vocabulary and experts, and no version
         newer than the engines have answered this worker with."""
         if self._model_limits is None:
-            self._model_limits = model_limits(self.cfg.model.path)
+            self._model_limits = model_limits(self.settings.model_path)
         newest = self.router.newest_version if self.router is not None else None
         return replace(self._model_limits, newest_version=newest)
 

@@ -49,17 +49,19 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                             cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention within each sequence of a packed row.
 
-    query [T, Hq, D], key and value [T, Hkv, D] (Hq a multiple of Hkv: grouped-query
-    attention); `cu_seqlens` the sequence boundaries (0, ..., T), and `cu_seqlens_device` the
-    same as an int32 tensor on the query's device if the caller has it. Returns [T, Hq * D].
+    query and key [T, Hq, D] and [T, Hkv, D], value [T, Hkv, Dv] (Hq a multiple of Hkv:
+    grouped-query attention; Dv != D: multi-head latent attention); `cu_seqlens` the sequence
+    boundaries (0, ..., T), and `cu_seqlens_device` the same as an int32 tensor on the query's
+    device if the caller has it. Returns [T, Hq * Dv].
     """
-    tokens, heads, dim = query.shape
-    if query.is_cuda and dropout_p == 0.0 and varlen_kernel() == "varlen_attn":
+    tokens, heads, dim = query.shape[0], query.shape[1], value.shape[-1]
+    if (query.is_cuda and dropout_p == 0.0 and varlen_kernel() == "varlen_attn"
+            and query.shape[-1] == dim):  # FlashAttention's head dims are one
         if cu_seqlens_device is None or cu_seqlens_device.device != query.device:
             cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=query.device)
         out = _varlen_attn(query, key, value, cu_seqlens_device, max_seqlen, scale)
     else:
-        out = torch.empty_like(query)
+        out = query.new_empty(tokens, heads, dim)
         gqa = key.shape[1] != heads
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
             if end == start:
@@ -94,7 +96,10 @@ class PackedAttention(torch.nn.Module):
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+                 cp_comm_type: str | None = None, pg_collection=None, k_channels: int | None = None,
+                 v_channels: int | None = None):
+        # k_channels / v_channels: multi-head latent attention's head dims (its softmax_scale is given);
+        # the shapes of q, k and v carry them
         super().__init__()
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs Transformer Engine's attention")

@@ -53,6 +53,7 @@ class TrainSample:
 class StepBatch:
     samples: list[TrainSample]
     stats: dict[str, float] = field(default_factory=dict)
+    filtered: dict[str, str] = field(default_factory=dict)  # prompt id -> group_filter_reason
 
 
 def group_filter_reason(group: TrajectoryGroup, loss: LossConfig) -> str | None:
@@ -72,7 +73,8 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
              "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
     rewards_all: list[float] = []
-    trained = [g for g in groups if group_filter_reason(g, loss) is None]
+    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss)) is not None}
+    trained = [g for g in groups if g.prompt_id not in filtered]
     # REINFORCE++ normalises over every sample the step trains on
     batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
     batch_mean, batch_std = _mean_std(batch)
@@ -83,7 +85,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
         stats["trajectories_truncated"] += sum(t.status is TrajectoryStatus.TRUNCATED for t in usable)
         rewards = [t.reward for t in usable]
         rewards_all += rewards
-        reason = group_filter_reason(group, loss)
+        reason = filtered.get(group.prompt_id)
         if reason is not None:
             stats["groups_empty" if reason == "no_usable" else "groups_filtered_uniform"] += 1
             continue
@@ -111,7 +113,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
                 advantage=adv, routes=routes[:len(tokens)] if routes is not None else None))
     stats["samples"] = len(samples)
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
-    return StepBatch(samples, stats)
+    return StepBatch(samples, stats, filtered)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

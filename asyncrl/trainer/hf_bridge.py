@@ -1,5 +1,5 @@
 """Hugging Face <-> Megatron weights for Qwen2, Qwen3, Llama and Mistral (dense) and Qwen3-MoE,
-Mixtral and Qwen2-MoE (mixture-of-experts) models, through mbridge.
+Mixtral, Qwen2-MoE and DeepSeek-V3 (mixture-of-experts) models, through mbridge.
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
@@ -22,7 +22,12 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - its MoE bridges fix where the router's softmax goes (Mixtral's before the top-k, which skips the
   renormalisation HF's Mixtral router does); `renormalises_top_k` sets it from the HF config;
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
-  `moe_shared_expert_gate` is set.
+  `moe_shared_expert_gate` is set;
+- its DeepSeek-V3 bridge passes megatron-core 0.16.1 a config argument under an older name (it
+  cannot be built as is: a subclass renames it), sets no group-limited routing, moves the router's
+  correction bias after every step, builds a checkpoint's multi-token-prediction layer (HF and
+  vLLM skip it), reads checkpoints in bf16 only, and maps only TE's names of the MLA's q/kv norms
+  (`deepseek_v3_settings`; megatron's MLA itself needs megatron_cpu.mla_without_te without TE).
 What the conversion is not known to do exactly (docs/models.md) is refused by
 `read_model_config` before anything is built, in one line.
 """
@@ -36,7 +41,7 @@ import torch
 
 from asyncrl.config.models import model_problem
 from asyncrl.config.schema import MOE_MODEL_TYPES
-from asyncrl.trainer import mbridge_compat
+from asyncrl.trainer import mbridge_compat, megatron_cpu
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -97,6 +102,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     from megatron.core import parallel_state as mpu
 
     register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
+    register_model("deepseek_v3")(mbridge_compat.deepseek_v3_bridge())
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -130,6 +136,8 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         bridge.set_extra_args(moe_router_pre_softmax=not renormalises_top_k(hf))
     if hf.model_type == "qwen2_moe":  # sigmoid(x . gate) scales the shared expert's output, as HF's
         bridge.set_extra_args(moe_shared_expert_gate=True)
+    if hf.model_type == "deepseek_v3":
+        deepseek_v3_settings(bridge, hf, use_te)
     if routing_replay:
         if not moe:
             raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model, not {hf.model_type}")
@@ -147,6 +155,28 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         mbridge_compat.use_local_layer_spec(bridge)
         mbridge_compat.map_local_layer_norms(bridge)
     return bridge
+
+
+def deepseek_v3_settings(bridge, hf: PreTrainedConfig, use_te: bool) -> None:
+    """What mbridge's DeepSeek-V3 bridge leaves out or sets otherwise than HF computes."""
+    groups = getattr(hf, "n_group", 1) or 1
+    bridge.set_extra_args(
+        # HF picks the top_k experts within the topk_group best of n_group groups; the bridge sets no
+        # groups (models.deepseek_v3_problems checks megatron scores groups as HF does)
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=(getattr(hf, "topk_group", 1) or 1) if groups > 1 else None,
+        # The correction bias only picks experts; megatron would move it after every step by the
+        # tokens each expert got (DeepSeek's load balancing). HF's training keeps it, and so does RL
+        # here: it is exported with the weights, as it was loaded.
+        moe_router_bias_update_rate=0.0,
+        # HF and vLLM run the main model only (a checkpoint's MTP layer is skipped): so does the trainer
+        mtp_num_layers=None,
+    )
+    if bridge.dtype != torch.bfloat16:  # mbridge reads DeepSeek checkpoints in bf16 only
+        mbridge_compat.read_plain_safetensors(bridge)
+    if not use_te:
+        mbridge_compat.map_mla_layer_norms(bridge)
+        megatron_cpu.mla_without_te(hf.kv_lora_rank, hf.qk_rope_head_dim, hf.q_lora_rank)
 
 
 def build_gpt_model(bridge, device: torch.device) -> list[torch.nn.Module]:

@@ -11,7 +11,9 @@ megatron-core's own private APIs for CPU training are patched in megatron_cpu.py
 
 from __future__ import annotations
 
+import functools
 import re
+import types
 from typing import Any
 
 import torch
@@ -36,6 +38,11 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.core.bridge", "broadcast_str_from_megatron_pp"),
     ("megatron.core.transformer.moe.router_replay", "RouterReplay.clear_global_router_replay_instances"),
     ("torch._C", "_current_graph_task_id"),
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._ATTENTION_MAPPING"),
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge.TransformerConfigClass"),
+    ("mbridge.core.llm_bridge", "LLMBridge._build_base_config"),
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._get_safetensor_io"),
+    ("mbridge.core.bridge", "Bridge._get_safetensor_io"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -78,6 +85,17 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("megatron.core.transformer.attention", "Attention.forward",
      "cu_seqlens_q = packed_seq_params.cu_seqlens_q_padded"),
     ("megatron.core.transformer.module", "Float16Module.forward", "fp32_output=True"),
+    # Why deepseek_v3_bridge: the bridge's config argument that megatron-core 0.16.1 renamed, and
+    # where the config class is called.
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._build_config",
+     'max_position_embeddings=mla_rope_config["original_max_position_embeddings"]'),
+    ("mbridge.core.llm_bridge", "LLMBridge._build_base_config", "return self.TransformerConfigClass(**base_config)"),
+    # Why map_mla_layer_norms: the bridge knows the MLA's q/kv norms only fused into TE's linears.
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge",
+     '"self_attention.linear_q_up_proj.layer_norm_weight": ['),
+    # Why read_plain_safetensors: the bridge's reader dequantises FP8 to bf16 and refuses other dtypes.
+    ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._get_safetensor_io",
+     'raise NotImplemented("only support bfloat16'),
 ]
 
 
@@ -130,6 +148,49 @@ def map_sequential_experts(bridge: Any) -> None:
                 for local, name in names.items()}
 
     bridge._weight_name_mapping_mcore_local_to_global = local_to_global
+
+
+@functools.cache
+def deepseek_v3_bridge() -> type:
+    """mbridge's DeepSeek-V3 bridge, with its megatron config built as megatron-core 0.16.1 names it."""
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+    from megatron.core.transformer import MLATransformerConfig
+
+    def mla_config(**kwargs: Any) -> MLATransformerConfig:
+        # mbridge 0.15.1 passes YaRN's original context as `max_position_embeddings`, which
+        # MLATransformerConfig (megatron-core 0.16.1) names `original_max_position_embeddings`:
+        # as is, the bridge cannot be built (TypeError).
+        if "max_position_embeddings" in kwargs:
+            kwargs["original_max_position_embeddings"] = kwargs.pop("max_position_embeddings")
+        return MLATransformerConfig(**kwargs)
+
+    class DeepseekV3BridgeForMcore016(DeepseekV3Bridge):
+        TransformerConfigClass = staticmethod(mla_config)
+
+    return DeepseekV3BridgeForMcore016
+
+
+def map_mla_layer_norms(bridge: Any) -> None:
+    """Add multi-head latent attention's q/kv norms, as megatron's local layers name them, to
+    mbridge's DeepSeek-V3 name map."""
+    # TE fuses them into linear_q_up_proj / linear_kv_up_proj (`.layer_norm_weight`), the only names
+    # the bridge maps; local layers keep them as modules of their own (mbridge 0.15.1).
+    layer = "model.layers.{layer_number}.self_attn."
+    bridge._ATTENTION_MAPPING = {
+        **type(bridge)._ATTENTION_MAPPING,
+        "self_attention.q_layernorm.weight": [layer + "q_a_layernorm.weight"],
+        "self_attention.kv_layernorm.weight": [layer + "kv_a_layernorm.weight"],
+    }
+
+
+def read_plain_safetensors(bridge: Any) -> None:
+    """Read the checkpoint's tensors as stored (mbridge's plain reader), for a bridge whose own
+    reader does more."""
+    # DeepseekV3Bridge._get_safetensor_io dequantises FP8 checkpoints to bf16 and raises for any
+    # other dtype (mbridge 0.15.1); an unquantized checkpoint in fp32 reads as any other family's.
+    from mbridge.core.bridge import Bridge
+
+    bridge._get_safetensor_io = types.MethodType(Bridge._get_safetensor_io, bridge)
 
 
 def map_output_layer(bridge: Any) -> None:

@@ -8,6 +8,9 @@ every name in `PRIVATE_NAMES`, `SOURCE_FACTS` and `REPLACEMENTS` is still there)
 cannot work on CPU at all (the distributed optimizer, sequence parallelism, Transformer
 Engine layers) is refused by config validation instead of being patched.
 
+`mla_without_te` runs wherever megatron's local layers are built (no Transformer Engine) for a
+model with multi-head latent attention: its gaps are TE's absence, not the CPU's.
+
 One private hook here runs on every device: `dist_checkpoint_reader`, through which
 asyncrl/trainer/safe_dist_checkpoint.py gives megatron's checkpoint loader a reader that never
 runs a general unpickler (docs/security.md, "Checkpoints").
@@ -16,6 +19,7 @@ runs a general unpickler (docs/security.md, "Checkpoints").
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +44,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"),
     ("megatron.core.tensor_parallel.random", "_get_all_rng_states"),
     ("megatron.core.tensor_parallel.random", "_set_all_rng_states"),
+    ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
+    ("megatron.core.transformer.multi_latent_attention", "gather_from_tensor_model_parallel_region"),
 ]
 
 # Why each patch is still needed, and what it must match: (module, attribute path or ""
@@ -68,6 +74,22 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "global_input_tokens, group=self.tp_group"),
     ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction.forward",
      "if te_general_gemm is not None and router_dtype != torch.float64:"),
+    # Why mla_without_te: multi-head latent attention tests an isinstance against TE's TELinear,
+    # a mock where TE does not import, behind a HAVE_TE that its import guard sets anyway.
+    ("megatron.core.transformer.multi_latent_attention", "MultiLatentAttention.__init__",
+     "and isinstance(self.linear_proj, TELinear)"),
+    # Why mla_without_te gathers the latents its own way: without TE the down projections are
+    # column-parallel, their outputs gathered for every rank's heads, and the gather's backward
+    # keeps this rank's slice of this rank's gradient only; and why tp_fold_expert_params holds the
+    # q latent norm: finalize_model_grads sums the gradient of every "q_layernorm" over TP.
+    ("megatron.core.distributed.finalize_model_grads", "_allreduce_non_tensor_model_parallel_grads",
+     'config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)'),
+    ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
+     "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)"),
+    ("megatron.core.transformer.multi_latent_attention", "MLASelfAttention.get_query_key_value_tensors",
+     "q_compressed = gather_from_tensor_model_parallel_region(q_compressed)"),
+    ("megatron.core.tensor_parallel.mappings", "_GatherFromModelParallelRegion.backward",
+     "return _split_along_last_dim(grad_output, ctx.group), None"),
     # Activation recomputation (trainer.recompute) saves and restores the CUDA RNG state.
     ("megatron.core.tensor_parallel.random", "_get_all_rng_states", "cuda_rng_state = _get_cuda_rng_state("),
     ("megatron.core.tensor_parallel.random", "CheckpointFunction.backward", "_set_all_rng_states(*ctx.rng_states)"),
@@ -222,7 +244,8 @@ def _moe_layer_forward_cpu(self, hidden_states, intermediate_tensors=None, paddi
 
 def tp_fold_expert_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """The expert weights whose gradients come out tp_size-fold under TP without sequence
-    parallelism (CPU: see _moe_layer_forward_cpu); the trainer divides their gradients after backward.
+    parallelism (CPU: see _moe_layer_forward_cpu), and multi-head latent attention's q latent norm
+    (below); the trainer divides their gradients after backward.
 
     Each TP rank holds every token; the dispatcher gathers the tokens over the TP group as if each
     held a slice (MoEAlltoAllTokenDispatcher.dispatch_postprocess), so every expert shard sees each
@@ -231,8 +254,16 @@ def tp_fold_expert_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parame
     4x TP 1's at TP 2, every other parameter equal.
     """
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    return [p for chunk in chunks for m in chunk.modules() if isinstance(m, SequentialMLP) for p in m.parameters()]
+    experts = [p for chunk in chunks for m in chunk.modules() if isinstance(m, SequentialMLP) for p in m.parameters()]
+    # Multi-head latent attention's q latent norm (local layers) comes before the TP split: its
+    # gradient is whole on every rank, and megatron's finalize_model_grads sums every parameter named
+    # "q_layernorm" / "k_layernorm" over TP as if each held a part (mcore 0.16.1): tp_size-fold too.
+    # (Its kv latent norm, "kv_layernorm", is not summed, and is right as it is.)
+    norms = [p for chunk in chunks for m in chunk.modules() if isinstance(m, MLASelfAttention)
+             for p in m.q_layernorm.parameters()]
+    return experts + norms
 
 
 # The functions replaced, as (module, attribute path, replacement): same parameters.
@@ -273,6 +304,60 @@ def dist_checkpoint_reader(make_reader: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         mcore_torch_strategy._get_filesystem_reader = original
+
+
+def mla_without_te(kv_lora_rank: int, rope_dim: int, q_lora_rank: int | None) -> None:
+    """Let megatron build and train multi-head latent attention with its local layers (no
+    Transformer Engine), at any TP size (with `tp_fold_expert_params` for its q latent norm)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    # Its module sets HAVE_TE = True whenever megatron's TE extension imports, which it does without
+    # TE (its classes then mocks), and MLA's __init__ then calls isinstance(x, TELinear) on a mock:
+    # TypeError (mcore 0.16.1). Without TE, none of its TE branches applies.
+    multi_latent_attention.HAVE_TE = False
+    # Under TP the local down projections (hidden -> q latent, hidden -> kv latent + rope key) are
+    # column-parallel: each rank computes a slice, gathered whole for its own heads. The gather's
+    # backward keeps this rank's slice of this rank's gradient. For the latents that is all of it
+    # (the up projections all-reduce their input gradients), but the rope key goes straight into
+    # attention, so its gradient on each rank holds only that rank's heads' part: the other ranks'
+    # parts are lost (measured at TP 2: gradient norm 0.7 % under TP 1's, every weight off after a
+    # step). The rope key's gradient is summed over TP first (mcore 0.16.1; TE duplicates the
+    # down projections instead).
+    if q_lora_rank == kv_lora_rank + rope_dim:  # the gathers are told apart by their width
+        raise ValueError(f"q_lora_rank {q_lora_rank} == kv_lora_rank + qk_rope_head_dim: not supported without TE")
+    multi_latent_attention.gather_from_tensor_model_parallel_region = functools.partial(
+        _gather_latent, kv_width=kv_lora_rank + rope_dim, rope_dim=rope_dim)
+
+
+class _GatherLatent(torch.autograd.Function):
+    """All-gather along the last dimension over the TP group; backward: the last `rope_dim` columns'
+    gradient summed over the group, then this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, input_: torch.Tensor, group: Any, rope_dim: int) -> torch.Tensor:
+        ctx.group, ctx.rope_dim = group, rope_dim
+        parts = [torch.empty_like(input_) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, input_.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.rope_dim:
+            grad = grad.clone()
+            rope = grad[..., -ctx.rope_dim:].contiguous()
+            torch.distributed.all_reduce(rope, group=ctx.group)
+            grad[..., -ctx.rope_dim:] = rope
+        rank = torch.distributed.get_rank(group=ctx.group)
+        return grad.chunk(ctx.group.size(), dim=-1)[rank].contiguous(), None, None
+
+
+def _gather_latent(input_: torch.Tensor, group: Any = None, *, kv_width: int, rope_dim: int) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return input_
+    return _GatherLatent.apply(input_, group, rope_dim if input_.shape[-1] * group.size() == kv_width else 0)
 
 
 def apply_cpu_patches() -> None:

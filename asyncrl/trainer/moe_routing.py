@@ -7,7 +7,7 @@ megatron's router replay (`TransformerConfig.moe_enable_routing_replay`,
 megatron/core/transformer/moe/router_replay.py): the router then uses those experts, its gate
 probabilities taken from its own current logits at them (renormalised over the top-k, or the
 full softmax's where the HF router does not renormalise: hf_bridge.renormalises_top_k), so
-gradients still reach the router. Shared experts (Qwen2-MoE) are not routed: every token goes
+gradients still reach the router. Shared experts (Qwen2-MoE, DeepSeek-V3) are not routed: every token goes
 through them in every forward, replayed or not; only the routed experts' choice is replayed.
 Its per-instance calls are used, not the process-wide list (which also holds the reference
 model's routers). A recomputed forward during backward would pop the same ids again
@@ -16,9 +16,11 @@ schedule run.
 
 Health (`RouterStats`, every train step, replay or not): per layer, the tokens each expert got,
 the auxiliary load-balancing loss the router would add (Switch / GShard form: E x sum_e f_e P_e,
-f_e the share of routed slots, P_e the mean gate probability; 1.0 when balanced), and
+f_e the share of routed slots, P_e the mean gate probability — for a sigmoid router, its
+scores normalised over the experts; 1.0 when balanced), and
 `router_agreement`: the share of (token, layer) pairs whose own top-k (from the router's logits
-in this forward) equals the engine's. Without replay that forward is the plain trainer forward;
+in this forward, picked as the router picks: with its correction bias and group limit where it
+has them) equals the engine's. Without replay that forward is the plain trainer forward;
 with replay the earlier layers' inputs were computed with the engine's routes, so the figure is
 per layer, given the engine's choices below it. No tokens are dropped (no capacity factor).
 """
@@ -39,15 +41,27 @@ def routers(chunk: torch.nn.Module) -> list[Any]:
     return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
+def moe_layer_pattern(config: Any) -> list[int]:
+    """1 for each MoE layer of the model, 0 for each dense one (megatron's `moe_layer_freq`)."""
+    freq = config.moe_layer_freq
+    return [int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+
+
+def route_layer(router: Any) -> int:
+    """The router's place on the routes' layer axis: its layer's among the model's MoE layers (the
+    engine records the MoE layers only, in order; DeepSeek's first layers are dense)."""
+    return sum(moe_layer_pattern(router.config)[:router.layer_number - 1])
+
+
 def replay(chunk: torch.nn.Module, routes: torch.Tensor) -> None:
-    """Make this chunk's routers use `routes` ([L, layers, top_k] expert ids, layer axis = global
-    layer index: every layer is an MoE layer) in its next forward."""
+    """Make this chunk's routers use `routes` ([L, MoE layers, top_k] expert ids; `route_layer`)
+    in its next forward."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for router in routers(chunk):
         rr = router.router_replay
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        rr.set_target_indices(routes[:, router.layer_number - 1].long())
+        rr.set_target_indices(routes[:, route_layer(router)].long())
 
 
 def after_forward(chunk: torch.nn.Module) -> None:
@@ -65,6 +79,29 @@ def clear(chunks: list[torch.nn.Module]) -> None:
             router.router_replay.clear_router_replay_action()
 
 
+def router_scores(router: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate probabilities over the experts, the scores the router picks its top-k by) from its
+    logits [T, E]: softmax and the logits; for a sigmoid router (DeepSeek-V3) the sigmoid scores
+    normalised over the experts, and the scores plus its correction bias."""
+    if router.config.moe_router_score_function != "sigmoid":
+        return torch.softmax(logits, -1), logits
+    scores = torch.sigmoid(logits)
+    bias = getattr(router, "expert_bias", None)
+    return scores / scores.sum(-1, keepdim=True), scores if bias is None else scores + bias.float()
+
+
+def own_top_k(router: Any, choice: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts [T, top_k] the router picks by `choice` [T, E], within its best groups if it has
+    group-limited routing."""
+    config = router.config
+    if config.moe_router_group_topk:
+        from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
+        return group_limited_topk(choice, top_k, choice.shape[0], choice.shape[1], config.moe_router_num_groups,
+                                  config.moe_router_group_topk)[1]
+    return choice.topk(top_k, dim=-1).indices
+
+
 class RouterStats:
     """Per-layer router health over the training forwards of one step (see the module docstring).
 
@@ -73,6 +110,10 @@ class RouterStats:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], num_layers: int, num_experts: int, top_k: int) -> None:
+        """`num_layers`: the model's layers; the figures are per MoE layer (`route_layer`)."""
+        config = getattr(chunks[0], "config", None) if chunks else None
+        if getattr(config, "num_moe_experts", None):
+            num_layers = sum(moe_layer_pattern(config))
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.reset()
         self._routes: torch.Tensor | None = None
@@ -92,13 +133,14 @@ class RouterStats:
     def _hook(self, router: Any, args: tuple, output: tuple) -> None:
         if not self.enabled or mbridge_compat.in_backward():  # not in a recompute during backward
             return
-        layer = router.layer_number - 1
+        layer = route_layer(router)
         _, routing_map = output  # [T, E] bool: the experts used (replayed or chosen)
         logits = router.gating(args[0]).view(-1, self.num_experts).float()
+        probs, choice = router_scores(router, logits)
         self.tokens[layer] += routing_map.sum(0).double().cpu()
-        self.probs[layer] += torch.softmax(logits, -1).sum(0).double().cpu()
+        self.probs[layer] += probs.sum(0).double().cpu()
         if self._routes is not None:
-            own = logits.topk(self.top_k, dim=-1).indices.sort(-1).values.cpu()
+            own = own_top_k(router, choice, self.top_k).sort(-1).values.cpu()
             engine = self._routes[:, layer].long().sort(-1).values
             same = (own == engine).all(-1)[self._valid]
             self.agree[layer] += torch.tensor([float(same.sum()), float(same.numel())], dtype=torch.float64)

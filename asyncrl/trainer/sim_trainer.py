@@ -1,6 +1,7 @@
-"""SimTrainerRank (`trainer.backend=sim`): TrainerRank's interface with a cost model in place
-of megatron-core. One actor stands for the whole trainer (tensor x pipeline x data parallel
-ranks): a step takes, in simulated seconds (trainer.sim; asyncrl.clock),
+"""SimTrainerRank (`trainer.backend=sim`): TrainerRank's interface
+(asyncrl.interfaces.TrainerRankInterface) with a cost model in place of megatron-core. One
+actor stands for the whole trainer (tensor x pipeline x data parallel ranks): a step takes, in
+simulated seconds (trainer.sim; asyncrl.clock),
 
     tokens x train_per_token_s / dp  (+ tokens x logprob_per_token_s / dp per forward-only pass)
     + optimizer_s per optimizer update,
@@ -21,15 +22,15 @@ from pathlib import Path
 
 from asyncrl.algorithm.losses import NEEDS_PROX
 from asyncrl.clock import Clock
-from asyncrl.config.schema import Config
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.trainer.batch import TrainSample, build_samples
 from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_json
+from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.types import staleness
 
 
-def forward_passes(cfg: Config) -> int:
+def forward_passes(cfg: TrainerSettings) -> int:
     """Forward-only passes a step adds per token: the proximal policy's (decoupled_ppo or icepop
     with several updates per step) and the reference's (kl_coef > 0)."""
     lc = cfg.algorithm.loss
@@ -47,10 +48,10 @@ def staleness_metrics(samples: list[TrainSample], policy_version: int, max_stale
 
 
 class SimTrainerRank:
-    def __init__(self, cfg: Config, rank: int, world_size: int):
-        self.cfg = cfg
+    def __init__(self, settings: TrainerSettings, rank: int, world_size: int):
+        self.cfg = cfg = settings
         self.sim = cfg.trainer.sim
-        self.clock = Clock(cfg.cluster.time_scale)
+        self.clock = Clock(cfg.time_scale)
         self.step = 0
         self._lag = PolicyLag(cfg.algorithm.policy_lag)  # staged versions: no weights to keep
 
@@ -75,7 +76,7 @@ class SimTrainerRank:
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         t0 = self.clock.now()
         batch = build_samples(groups, self.cfg.algorithm.loss, self.cfg.algorithm.advantage)
-        prompt, block = self.cfg.engine.sim.prompt_tokens, self.cfg.engine.sim.token_block
+        prompt, block = self.cfg.sim_engine.prompt_tokens, self.cfg.sim_engine.token_block
         tokens = sum((prompt or s.prompt_len) + s.num_response * block for s in batch.samples)
         trained = sum(sum(s.mask) for s in batch.samples)
         updates = min(self.cfg.trainer.mini_batches_per_step, len(batch.samples))
@@ -84,7 +85,8 @@ class SimTrainerRank:
         metrics = {**staleness_metrics(batch.samples, policy_version, self.cfg.algorithm.max_staleness),
                    **{f"batch/{k}": v for k, v in batch.stats.items()},
                    "train/tokens": float(trained), "train/step_s": self.clock.now() - t0, "train/step": self.step}
-        return TrainStepResult(metrics, staleness_max=round(metrics["train/staleness_max"]), tokens=trained)
+        return TrainStepResult(metrics, staleness_max=round(metrics["train/staleness_max"]), tokens=trained,
+                               filtered=batch.filtered)
 
     # -- weights out: only their time --------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from asyncrl.interfaces import TrainerRankHandle
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult, error_line
 from asyncrl.types import TrajectoryGroup
 
@@ -28,13 +29,13 @@ class TrainerRankDied(RuntimeError):
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list):
+    def __init__(self, ranks: list[TrainerRankHandle]):
         if not ranks:
             raise ValueError("a trainer needs at least one rank")
-        self.ranks = ranks  # Ray handles of TrainerRank actors, rank 0 first
+        self.ranks = ranks  # rank 0 first
         self.world_size = len(ranks)
 
-    def on_ranks(self, call: Callable[[Any], ray.ObjectRef]) -> Any:
+    def on_ranks(self, call: Callable[[TrainerRankHandle], ray.ObjectRef]) -> Any:
         """`call(rank)` on every rank (e.g. `lambda r: r.train_step.remote(groups, v)`); rank 0's
         answer. Tests and benchmarks call the methods a TrainerRank subclass adds this way."""
         return self.get([call(r) for r in self.ranks])[0]
@@ -94,6 +95,7 @@ class TrainerGroup:
                                 secret: str) -> list[ray.ObjectRef]:
         return [r.init_weight_group.remote(host, port, world_size, backend, secret) for r in self.ranks]
 
+    # weight_sync_place .. shared_weights_joined: a shared transport's (SharedWeightsTrainerRank), real ranks only
     def weight_sync_place(self) -> dict:
         """Where rank 0 runs (node, GPU, room under /dev/shm): asyncrl.sync.shared_buckets.choose_transport."""
         return self.get([self.ranks[0].weight_sync_place.remote()])[0]

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from asyncrl.algorithm.losses import NEEDS_PROX, LossOutput, policy_loss
-from asyncrl.config.schema import Config
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.sync.collective import (
@@ -64,6 +63,7 @@ from asyncrl.trainer.batch import (
 from asyncrl.trainer.logprobs import LOGIT_CHUNK_ELEMENTS, token_logprobs
 from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import read_trainer_state, write_trainer_state
+from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.types import staleness
 
 logger = logging.getLogger(__name__)
@@ -83,11 +83,11 @@ def free_address() -> tuple[str, int]:
 
 
 class TrainerRank:
-    def __init__(self, cfg: Config, rank: int, world_size: int):
-        self.cfg = cfg
+    def __init__(self, settings: TrainerSettings, rank: int, world_size: int):
+        self.cfg = cfg = settings  # the run's model, trainer and algorithm sections, and a few values
         self.rank = rank
         self.world_size = world_size
-        self.on_cpu = cfg.cluster.device == "cpu"
+        self.on_cpu = cfg.device == "cpu"
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
@@ -139,10 +139,10 @@ class TrainerRank:
                                       pipeline_model_parallel_size=t.pipeline_parallel_size,
                                       expert_model_parallel_size=t.expert_parallel_size)
         if self.on_cpu:
-            seed_cpu_model_parallel_rng(self.cfg.run.seed, mpu.get_tensor_model_parallel_rank(),
+            seed_cpu_model_parallel_rng(self.cfg.seed, mpu.get_tensor_model_parallel_rank(),
                                         mpu.get_expert_model_parallel_rank())
         else:
-            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.run.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
         self.use_te = not self.on_cpu and transformer_engine_available()
         self.tp_size, self.dp_size = mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size()
         self.dp_rank = mpu.get_data_parallel_rank()
@@ -186,7 +186,7 @@ class TrainerRank:
         self.bridge.load_weights(chunks, path)
         if adapters and self.lora:  # before DDP and the optimizer: they take the trainable parameters
             for c in chunks:
-                lora.apply_lora(c, self.lora, self.cfg.run.seed)
+                lora.apply_lora(c, self.lora, self.cfg.seed)
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
 
@@ -285,7 +285,7 @@ class TrainerRank:
         metrics["train/tokens_per_s"] = metrics["train/tokens"] / max(metrics["train/step_s"], 1e-9)
         metrics["train/step"] = self.step
         return TrainStepResult(metrics, staleness_max=round(metrics["train/staleness_max"]),
-                               tokens=round(metrics["train/tokens"]))
+                               tokens=round(metrics["train/tokens"]), filtered=step.filtered)
 
     def _packed_updates(self, samples: list) -> list[list[PackedBatch]]:
         """Per optimizer update: its aggregation weights, this rank's share, packed micro-batches."""
@@ -403,7 +403,7 @@ class TrainerRank:
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
         # The rows that predict response tokens, at the sampling temperature (the engines report
         # logprobs of the temperature-scaled distribution they sample from), in fp32 a chunk at a time.
-        logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.cfg.rollout.temperature,
+        logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.cfg.temperature,
                                        with_entropy=not forward_only, chunk_elements=self.logit_chunk)
         if forward_only:
             return torch.zeros((), device=logp.device), logp.detach().cpu()

@@ -1,11 +1,14 @@
 """Parameter sync: (stage) -> pause the engines -> broadcast the trainer's weights -> load -> resume.
 
+It coordinates two kinds of actor (the trainer's ranks and the engines), so it lives in the
+control layer; the transports it drives are below, in asyncrl/sync/.
+
 `WeightSync.connect()` forms the broadcast group once (trainer rank 0 + every vLLM
-worker of every engine; see collective.py) after each engine has checked the
+worker of every engine; see asyncrl/sync/collective.py) after each engine has checked the
 trainer's bucket plan against its model; each formation gets a fresh secret, handed to
-every member through Ray, which the group's store seals its keys with (group_store.py).
+every member through Ray, which the group's store seals its keys with (sync/group_store.py).
 Where every engine worker shares trainer rank 0's host (CPU) or GPU, the formation may use a
-shared region instead of the collective (`transport`; shared_buckets.py): rank 0 creates it,
+shared region instead of the collective (`transport`; sync/shared_buckets.py): rank 0 creates it,
 named after the secret, every worker maps it, then its name is removed.
 `WeightSync.sync(version)` then has the trainer export and pack its weights while the
 engines still generate, has every engine pause, receive the broadcast, load it and resume
@@ -26,10 +29,12 @@ import time
 import ray
 
 from asyncrl.clock import Clock
+from asyncrl.interfaces import EngineHandle
 from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
 from asyncrl.sync.collective import BucketPlan
 from asyncrl.sync.group_store import new_group_secret
 from asyncrl.sync.shared_buckets import choose_transport
+from asyncrl.trainer.trainer_group import TrainerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +54,10 @@ class EnginesFailed(RuntimeError):
 class WeightSync:
     """Driver-side coordination of the weight broadcast between one TrainerGroup and the engines."""
 
-    def __init__(self, trainer, engines: list, backend: str, timeout_s: float = 600.0, clock: Clock | None = None,
-                 transport: str = "broadcast"):
-        self.trainer = trainer  # a TrainerGroup
-        self.engines = engines  # EngineActor handles
+    def __init__(self, trainer: TrainerGroup, engines: list[EngineHandle], backend: str, timeout_s: float = 600.0,
+                 clock: Clock | None = None, transport: str = "broadcast"):
+        self.trainer = trainer
+        self.engines = engines  # a shared `transport` calls SharedWeightsEngine's methods: real engines only
         self.backend = backend  # "gloo" on CPU, "cupy" on GPUs (asyncrl.sync.collective.broadcast_backend)
         self.wanted = transport  # trainer.weight_sync_transport (shared_buckets.TRANSPORTS)
         self.transport = "broadcast"  # what the last formation resolved it to (choose_transport)

@@ -1,0 +1,163 @@
+"""A rollout worker's clients of the run's reward services, which score every finished training
+sample beside its env (docs/algorithms.md):
+
+- a reward model (`reward.model`; asyncrl/reward/reward_model.py): replicas scoring batches, each
+  sample sent to the replica with the fewest of this worker's requests outstanding;
+- a judge (`reward.judge`): a model on vLLM engines of its own, never trained, asked with the
+  judge's prompt template through its own tokenizer (and chat template, where it has one); its
+  answer parsed into a score in [0, 1].
+
+A sample's reward becomes
+
+    reward.env_weight x the env's reward + reward.model.weight x the model's score
+                                         + reward.judge.weight x the judge's score
+
+(`info["reward_metrics"]` keeps every part). The services are asked at once, under
+rollout.reward_timeout_s; a timeout, a failing replica or engine, or a judge's answer the parser
+cannot read gives the sample reward 0 and a counted failure (`reward_model_timeout`,
+`reward_model_error`, `judge_timeout`, `judge_error`, `judge_unparsable`), as an env's own reward
+does. Held-out evaluations do not come here: they measure the envs' rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from asyncrl.agents.api import load_tokenizer
+from asyncrl.config.schema import JudgeConfig
+from asyncrl.interfaces import EngineHandle, RewardModelHandle
+from asyncrl.messages import Failure, RewardRequest
+from asyncrl.rollout.router import EngineRouter
+from asyncrl.tasks import Problem
+from asyncrl.types import SamplingSpec, Trajectory
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+class ScoreFailed(Exception):
+    def __init__(self, failure: Failure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+@dataclass
+class ServiceStats:
+    calls: int = 0  # samples scored (or failed)
+    seconds: float = 0.0  # the time they took
+
+
+class RewardModelClient:
+    name = "reward_model"
+
+    def __init__(self, replicas: list[RewardModelHandle]):
+        self.replicas = replicas
+        self.outstanding = [0] * len(replicas)
+
+    def replace(self, index: int, replica: RewardModelHandle) -> None:
+        """A dead replica's replacement (the supervisor's)."""
+        self.replicas[index] = replica
+
+    async def score(self, problem: Problem, response: str) -> float:
+        i = min(range(len(self.replicas)), key=lambda k: self.outstanding[k])
+        self.outstanding[i] += 1
+        try:
+            (score,) = await self.replicas[i].score.remote([RewardRequest(problem.prompt, response,
+                                                                          list(problem.messages or []))])
+        except Exception as e:  # a dead or failing replica: this sample's reward is 0, the run goes on
+            raise ScoreFailed(Failure("reward_model_error", _first_line(e))) from None
+        finally:
+            self.outstanding[i] -= 1
+        return float(score)
+
+
+class JudgeClient:
+    name = "judge"
+
+    def __init__(self, engines: list[EngineHandle], judge: JudgeConfig):
+        self.router = EngineRouter(engines)
+        self.judge = judge
+        self.tokenizer = load_tokenizer(judge.path)
+        self.sampling = SamplingSpec(max_new_tokens=judge.max_new_tokens, temperature=judge.temperature)
+
+    def replace(self, index: int, engine: EngineHandle) -> None:
+        self.router.replace(index, engine)
+
+    def prompt_ids(self, problem: Problem, response: str) -> list[int]:
+        """The judge's request: its template filled in, through its chat template where it has one."""
+        users = [m.get("content", "") for m in problem.messages or [] if m.get("role") == "user"]
+        text = self.judge.prompt_template.format(prompt=users[-1] if users else problem.prompt, response=response)
+        if self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text)["input_ids"]
+
+    def parse(self, answer: str) -> float:
+        """The judge's answer as a score in [0, 1] (reward.judge.parser)."""
+        j = self.judge
+        if j.parser == "yes_no":
+            word = answer.strip().lower()
+            if word.startswith(("yes", "no")):
+                return 1.0 if word.startswith("yes") else 0.0
+        elif match := NUMBER.search(answer):
+            clamped = min(max(float(match.group()), j.min_score), j.max_score)
+            return (clamped - j.min_score) / (j.max_score - j.min_score)
+        raise ScoreFailed(Failure("judge_unparsable", f"{answer[:80]!r} ({j.parser})"))
+
+    async def score(self, problem: Problem, response: str) -> float:
+        try:
+            result = await self.router.client().agenerate(self.prompt_ids(problem, response), self.sampling,
+                                                          f"judge-{uuid.uuid4().hex}")
+        except Exception as e:  # a dead engine: this sample's reward is 0, the run goes on
+            raise ScoreFailed(Failure("judge_error", _first_line(e))) from None
+        return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+
+
+class RewardServices:
+    """The reward services a worker scores with, and their weights."""
+
+    def __init__(self, env_weight: float, timeout_s: float,
+                 services: list[tuple[RewardModelClient | JudgeClient, float]]):
+        self.env_weight, self.timeout_s, self.services = env_weight, timeout_s, services
+        self.stats = {client.name: ServiceStats() for client, _ in services}
+
+    def client(self, name: str) -> RewardModelClient | JudgeClient | None:
+        return next((c for c, _ in self.services if c.name == name), None)
+
+    async def _timed(self, client: RewardModelClient | JudgeClient, problem: Problem, response: str) -> float:
+        t0 = time.monotonic()
+        try:
+            return await asyncio.wait_for(client.score(problem, response), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ScoreFailed(Failure(f"{client.name}_timeout",
+                                      f"> {self.timeout_s:g}s (rollout.reward_timeout_s)")) from None
+        finally:
+            self.stats[client.name].calls += 1
+            self.stats[client.name].seconds += time.monotonic() - t0
+
+    async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
+        """Add the services' scores to the env's reward of a finished sample; the failure, or None."""
+        response = traj.info.get("response", "")
+        answers = await asyncio.gather(*(self._timed(c, problem, response) for c, _ in self.services),
+                                       return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                failure = answer.failure if isinstance(answer, ScoreFailed) else Failure("reward_error",
+                                                                                        _first_line(answer))
+                traj.reward = 0.0
+                traj.info["reward_failure"] = str(failure)
+                return failure
+        env = traj.reward
+        traj.reward = self.env_weight * env + sum(w * s for (_, w), s in zip(self.services, answers))
+        traj.info["reward_metrics"] = {**traj.info.get("reward_metrics", {}), "env_reward": env,
+                                       **{c.name: s for (c, _), s in zip(self.services, answers)}}
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

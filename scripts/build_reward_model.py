@@ -1,0 +1,87 @@
+"""Build a reward model for `reward.model.path`: the base model's transformer with a one-output
+score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenizer.
+
+    python scripts/build_reward_model.py --base recipes/arith/base_model --out build/arith_reward_model \
+        --train-steps 300
+
+With `--train-steps` it learns, from the recipe's problems, to score a right answer above a wrong
+one (binary cross-entropy on samples labelled by the recipe's reward: the correct direct and worked
+answers against wrong ones of the same forms), so that it can drive RL where no rule checks the
+answer. Without, the head is random (seeded): a reward model for plumbing tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float = 3e-4, batch: int = 32) -> Path:
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(base, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(base, config=config, dtype=torch.float32)
+    if train_steps:
+        _train(model, tokenizer, train_steps, seed, lr, batch)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _labelled(seed: int) -> list[tuple[str, float]]:
+    """arith problems with right answers (1) and wrong ones (0), direct and worked out."""
+    sys.path.insert(0, str(REPO))
+    from asyncrl.run_config import load_config
+    from asyncrl.tasks import TaskSource
+    from recipes.arith import direct_answer, sft_target
+
+    rng = random.Random(seed)
+    samples = []
+    for p in TaskSource(load_config(["recipe=arith"]).data).train[:2000]:
+        wrong = str(int(p.answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
+        samples += [(p.prompt + direct_answer(p), 1.0), (p.prompt + f"Answer: {wrong}", 0.0),
+                    (p.prompt + sft_target(p), 1.0),
+                    (p.prompt + sft_target(p).rpartition("Answer:")[0] + f"Answer: {wrong}", 0.0)]
+    rng.shuffle(samples)
+    return samples
+
+
+def _train(model, tokenizer, steps: int, seed: int, lr: float, batch: int) -> None:
+    samples = _labelled(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        chunk = [samples[(step * batch + i) % len(samples)] for i in range(batch)]
+        enc = tokenizer([t for t, _ in chunk], return_tensors="pt", padding=True)
+        logits = model(**enc).logits[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.tensor([y for _, y in chunk]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", type=Path, default=REPO / "recipes" / "arith" / "base_model")
+    ap.add_argument("--out", type=Path, default=REPO / "build" / "arith_reward_model")
+    ap.add_argument("--train-steps", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(build(args.base, args.out, args.train_steps, args.seed))
+
+
+if __name__ == "__main__":
+    main()
