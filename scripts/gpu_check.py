@@ -68,10 +68,11 @@ def free_port() -> int:
 
 def build_trainer(device: str):
     from asyncrl.config import compose, validate
+    from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
     cfg = validate(compose(overrides(device)))
-    rank = TrainerRank(cfg, 0, 1)
+    rank = TrainerRank(TrainerSettings.of(cfg), 0, 1)
     rank.setup("127.0.0.1", free_port())
     return cfg, rank
 
