@@ -31,11 +31,13 @@ class RewardModelSettings:
     max_batch: int
     max_length: int
     device: str = "cpu"
+    # CPU: torch's intra-op threads, its share of the cores (reward.model.num_cpus_per_actor); 0: torch's default
+    threads: int = 0
 
     @classmethod
     def of(cls, cfg: Config) -> RewardModelSettings:
         m = cfg.reward.model
-        return cls(m.path, m.max_batch, m.max_length, cfg.cluster.device)
+        return cls(m.path, m.max_batch, m.max_length, cfg.cluster.device, max(1, int(m.num_cpus_per_actor)))
 
 
 class RewardModelActor:
@@ -44,6 +46,8 @@ class RewardModelActor:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.settings = settings
+        if settings.device == "cpu" and settings.threads:  # torch would take every core, beside the engines
+            torch.set_num_threads(settings.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
         self.tokenizer.truncation_side = "left"  # keep the response
         if self.tokenizer.pad_token is None:

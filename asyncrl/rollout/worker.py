@@ -20,8 +20,8 @@ Lifecycle of a submitted problem:
   4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure. A loop that raises becomes a failed trajectory (counted), never a crash.
-     With a reward model (reward.model), its score joins the env's reward
-     (asyncrl/rollout/reward_client.py), under the same timeout.
+     With reward services (reward.model, reward.judge), their scores join the env's
+     reward (asyncrl/rollout/reward_client.py), under the same timeout.
   5) When all n trajectories are finished, the group goes to the sink.
 `checkpoint()` (while interrupted) hands the driver every unfinished group: its finished
 samples and its loops' snapshots; `restore()` continues such groups, in any worker.
@@ -123,7 +123,7 @@ class WorkerSettings:
     n_samples_per_prompt: int
     max_concurrent_loops: int
     cpu_cores: str  # rollout.cpu_cores
-    reward: RewardConfig  # with reward.model.path: the weights of the reward model's score and the env's
+    reward: RewardConfig  # the weights of the env's reward and of the reward services' scores; the judge's settings
 
     @classmethod
     def of(cls, cfg: Config) -> WorkerSettings:
