@@ -563,3 +563,19 @@ def test_a_crafted_queue_in_a_checkpoint_is_dropped_before_it_is_trained(tmp_pat
     restored = QueueState.from_dict(saved)
     assert drop_untrainable(restored, TrajectoryLimits(vocab_size=64)) == ["crafted"]
     assert [g.group_id for g in restored.groups] == ["honest"]
+
+
+@pytest.mark.attack
+def test_a_crafted_prompt_account_in_a_checkpoint_is_refused(tmp_path):
+    """ledger.json is the prompt account a resumed run continues with: a state that is none of the
+    account's (or a value of the wrong type) is refused with the file's name, before anything runs."""
+    from asyncrl.control.run_checkpoint import RunCheckpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    account = {"states": {"p": "lost"}, "reasons": {}, "trained": [], "rejected": 0, "duplicates_dropped": 0}
+    for crafted in (account, {**account, "states": {"p": "running"}, "rejected": "0"}, ["not", "an", "object"]):
+        for name, text in (("run_state.json", "{}"), ("queue.json", "{}"), ("loops.json", "[]"),
+                           ("ledger.json", json.dumps(crafted))):
+            (tmp_path / name).write_text(text)
+        with pytest.raises(CheckpointRefused, match=r"ledger\.json refused: not a prompt account"):
+            RunCheckpoint.read(tmp_path)

@@ -29,7 +29,7 @@ from asyncrl.evaluation import EvalResult
 from asyncrl.messages import PendingGroupState, QueueState
 from asyncrl.rollout.admission import PromptAccountState
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
-from asyncrl.trainer.safe_checkpoint import read_checkpoint_bytes
+from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,13 @@ class RunCheckpoint:
                                                                   else [])]
         raw = {name: read_checkpoint_bytes(path / name) for name in names}  # every file checked before any is parsed
         loops = [PendingGroupState.from_dict(g) for g in json.loads(raw.get("loops.json", b"[]"))]
+        try:
+            prompts = PromptAccountState.from_dict(json.loads(raw["ledger.json"]))
+        except ValueError as e:
+            raise CheckpointRefused(f"checkpoint {path / 'ledger.json'} refused: {e}") from None
         return cls(state=RunState.from_json(raw["run_state.json"].decode()),
                    queue=QueueState.from_dict(json.loads(raw["queue.json"])), loops=loops,
-                   prompts=PromptAccountState.from_dict(json.loads(raw["ledger.json"])))
+                   prompts=prompts)
 
 
 def drop_untrainable(queue: QueueState, limits: TrajectoryLimits) -> list[str]:

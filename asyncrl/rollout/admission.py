@@ -114,6 +114,8 @@ class PromptAccountState:
     @classmethod
     def from_dict(cls, d: dict) -> PromptAccountState:
         """From `asdict`'s JSON (a checkpoint's ledger.json), its types checked."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a prompt account: a JSON object is expected, not {type(d).__name__}")
         state = cls(**{k: d.get(k) for k in ("states", "reasons", "trained", "rejected", "duplicates_dropped")})
         ok = (isinstance(state.states, dict) and all(isinstance(p, str) and s in STATES
                                                      for p, s in state.states.items())
