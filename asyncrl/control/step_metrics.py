@@ -55,7 +55,8 @@ def rollout_metrics(stats: list[WorkerStats]) -> dict[str, Any]:
     for name in sorted({n for s in stats for n in s.reward_services}):  # reward.model, reward.judge
         calls = sum(s.reward_services.get(name, (0, 0.0))[0] for s in stats)
         out[f"{name}/samples"] = calls
-        out[f"{name}/latency_s"] = sum(s.reward_services.get(name, (0, 0.0))[1] for s in stats) / max(calls, 1)
+        if calls:
+            out[f"{name}/latency_s"] = sum(s.reward_services.get(name, (0, 0.0))[1] for s in stats) / calls
     out.update({f"rollout/tool_errors/{reason}": n for reason, n in tool_errors.items()})
     return out
 
