@@ -48,8 +48,9 @@ class Supervisor:
         engines.on_dead = workers.on_dead = self.check_health
 
     def check_health(self) -> bool:
-        """Ask every engine, rollout worker and reward model replica whether it is alive (a hung one
-        does not answer within run.health_timeout_s); replace the dead. Returns whether any was replaced."""
+        """Ask every engine, rollout worker and reward service (reward model replica, judge engine)
+        whether it is alive (a hung one does not answer within run.health_timeout_s); replace the
+        dead. Returns whether any was replaced."""
         timeout = self.run.health_timeout_s
         self.poll_starting()
         probes = [("engine", i, ref) for i, ref in self.engines.health_probes()]
