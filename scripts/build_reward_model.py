@@ -4,10 +4,10 @@ score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenize
     python scripts/build_reward_model.py --base recipes/arith/base_model --out build/arith_reward_model \
         --train-steps 300
 
-With `--train-steps` it learns, from the recipe's problems, to score a right answer above a wrong
-one (binary cross-entropy on samples labelled by the recipe's reward: the correct direct and worked
-answers against wrong ones of the same forms), so that it can drive RL where no rule checks the
-answer. Without, the head is random (seeded): a reward model for plumbing tests.
+With `--train-steps` it learns from the recipe's problems (binary cross-entropy on the right direct
+and worked answers against wrong ones of the same forms) to score a right worked solution above a
+wrong one (89.5 % of held-out pairs after 300 steps; a bare direct answer it cannot check: 43.5 %,
+docs/algorithms.md). Without, the head is random (seeded): a reward model for plumbing tests.
 """
 
 from __future__ import annotations
