@@ -31,7 +31,6 @@ from asyncrl.messages import (
     EngineStartInfo,
     QueueState,
     QueueStats,
-    RewardModelStats,
     RewardRequest,
     StagedWeights,
     TrainerSetupInfo,
@@ -131,7 +130,6 @@ class RewardModelInterface(Protocol):
 
     async def score(self, requests: list[RewardRequest]) -> list[float]: ...
     def health(self) -> bool: ...
-    def get_stats(self) -> RewardModelStats: ...
 
 
 # Ray actor handles, by the interface their `.remote` methods follow. A handle of the real engine

@@ -201,16 +201,6 @@ class RewardRequest:
 
 
 @dataclass
-class RewardModelStats:
-    """A reward model replica's counters so far."""
-
-    samples: int = 0
-    batches: int = 0
-    tokens: int = 0
-    busy_s: float = 0.0  # seconds in forward passes
-
-
-@dataclass
 class PendingGroupState:
     """A group a rollout worker had not finished when a checkpoint was taken: the trajectories
     it had finished (None where a sample was still running) and, by sample index, the snapshot

@@ -13,6 +13,7 @@ docs/algorithms.md). Without, the head is random (seeded): a reward model for pl
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from pathlib import Path
@@ -38,22 +39,47 @@ def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float 
     return out
 
 
-def _labelled(seed: int) -> list[tuple[str, float]]:
-    """arith problems with right answers (1) and wrong ones (0), direct and worked out."""
+def _pairs(split: str, n: int, rng: random.Random) -> list[dict[str, tuple[str, str]]]:
+    """For n arith problems of `split`: (right, wrong) texts of each form, "direct" and "worked" out,
+    the wrong answer off by 1-3."""
     sys.path.insert(0, str(REPO))
     from asyncrl.run_config import load_config
     from asyncrl.tasks import TaskSource
     from recipes.arith import direct_answer, sft_target
 
-    rng = random.Random(seed)
-    samples = []
-    for p in TaskSource(load_config(["recipe=arith"]).data).train[:2000]:
+    pairs = []
+    for p in getattr(TaskSource(load_config(["recipe=arith"]).data), split)[:n]:
         wrong = str(int(p.answer) + rng.choice([-3, -2, -1, 1, 2, 3]))
-        samples += [(p.prompt + direct_answer(p), 1.0), (p.prompt + f"Answer: {wrong}", 0.0),
-                    (p.prompt + sft_target(p), 1.0),
-                    (p.prompt + sft_target(p).rpartition("Answer:")[0] + f"Answer: {wrong}", 0.0)]
+        worked = sft_target(p)
+        pairs.append({"direct": (p.prompt + direct_answer(p), p.prompt + f"Answer: {wrong}"),
+                      "worked": (p.prompt + worked, p.prompt + worked.rpartition("Answer:")[0] + f"Answer: {wrong}")})
+    return pairs
+
+
+def _labelled(seed: int) -> list[tuple[str, float]]:
+    """arith training problems with right answers (1) and wrong ones (0), direct and worked out."""
+    rng = random.Random(seed)
+    samples = [(text, label) for pair in _pairs("train", 2000, rng) for right, wrong in pair.values()
+               for text, label in ((right, 1.0), (wrong, 0.0))]
     rng.shuffle(samples)
     return samples
+
+
+def ranking(path: Path, n: int = 200, seed: int = 1) -> dict[str, float]:
+    """The share of n held-out problems whose right answer the model at `path` scores above the
+    wrong one, per form."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    pairs = _pairs("heldout", n, random.Random(seed))
+    wins = dict.fromkeys(pairs[0], 0)
+    for pair in pairs:
+        for form, texts in pair.items():
+            with torch.no_grad():
+                right, wrong = model(**tokenizer(list(texts), return_tensors="pt", padding=True)).logits[:, 0]
+            wins[form] += int(right > wrong)
+    return {form: won / len(pairs) for form, won in wins.items()}
 
 
 def _train(model, tokenizer, steps: int, seed: int, lr: float, batch: int) -> None:
@@ -79,8 +105,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "build" / "arith_reward_model")
     ap.add_argument("--train-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--evaluate", type=Path, help="build nothing: how often the reward model at this path "
+                    "ranks a held-out right answer above a wrong one (a JSON line)")
     args = ap.parse_args()
-    print(build(args.base, args.out, args.train_steps, args.seed))
+    if args.evaluate:
+        print(json.dumps({"reward_model": str(args.evaluate), "right_above_wrong": ranking(args.evaluate)}))
+    else:
+        print(build(args.base, args.out, args.train_steps, args.seed))
 
 
 if __name__ == "__main__":

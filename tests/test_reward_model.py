@@ -35,7 +35,7 @@ def test_a_reward_model_scores_batches_as_it_scores_each_sample_alone(reward_mod
     alone, together = asyncio.run(scenario())
     assert together == pytest.approx(alone, abs=1e-5)
     assert alone[0] == pytest.approx(alone[4], abs=1e-6) and len(set(round(s, 4) for s in alone[:4])) == 4
-    assert actor.stats.samples == 10 and actor.stats.batches >= 5  # at most max_batch samples a pass
+    assert actor.samples == 10 and actor.passes >= 5  # at most max_batch samples a pass
     # a sample longer than max_length keeps its end: a different far-left prompt scores the same
     end = len(actor.tokenizer("1 + 2 =\nAnswer: 3")["input_ids"]) - 2  # tokens of the common end, less a margin
     short = RewardModelActor(RewardModelSettings(str(reward_model), max_batch=2, max_length=end))
@@ -80,14 +80,15 @@ def test_only_a_one_output_sequence_classifier_is_a_reward_model(reward_model, b
 
 
 class ScriptedReplica:
-    """A replica behind the interface: `score.remote` answers after `delay_s`, or raises."""
+    """A replica behind the interface: `score.remote` answers, raises, or (`hang`) never answers."""
 
-    def __init__(self, score: float = 0.0, delay_s: float = 0.0, error: Exception | None = None):
+    def __init__(self, score: float = 0.0, hang: bool = False, error: Exception | None = None):
         self.calls = 0
 
         async def answer(requests):
             self.calls += 1
-            await asyncio.sleep(delay_s)
+            if hang:
+                await asyncio.Event().wait()  # set by no one: the client's timeout must end it
             if error is not None:
                 raise error
             return [score for _ in requests]
@@ -138,7 +139,7 @@ def test_the_services_scores_are_weighed_beside_the_env_s_and_their_failures_cou
     scored(services)
     assert (busy.calls, idle.calls) == (0, 1) and services.stats["reward_model"].calls == 1
     for services, code in (
-            (RewardServices(1.0, 0.05, [(RewardModelClient([ScriptedReplica(1.0, delay_s=1.0)]), 1.0)]),
+            (RewardServices(1.0, 0.05, [(RewardModelClient([ScriptedReplica(1.0, hang=True)]), 1.0)]),
              "reward_model_timeout: > 0.05s (rollout.reward_timeout_s)"),
             (RewardServices(1.0, 5, [(RewardModelClient([ScriptedReplica(error=RuntimeError("died\nmore"))]), 1.0)]),
              "reward_model_error: RuntimeError: died"),

@@ -16,11 +16,10 @@ a few billion parameters on one GPU is what verl and OpenRLHF serve this way too
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 from asyncrl.config.schema import Config
-from asyncrl.messages import RewardModelStats, RewardRequest
+from asyncrl.messages import RewardRequest
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class RewardModelActor:
         self.model.to(settings.device).eval()
         self._waiting: list[tuple[list[str], asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
-        self.stats = RewardModelStats()
+        self.samples = self.passes = 0  # scored so far, and the forward passes that scored them
 
     def text(self, request: RewardRequest) -> str:
         """The sample as the reward model reads it."""
@@ -103,21 +102,15 @@ class RewardModelActor:
     def _forward(self, texts: list[str]) -> list[float]:
         import torch
 
-        t0 = time.monotonic()
         scores: list[float] = []
         for i in range(0, len(texts), self.settings.max_batch):
             enc = self.tokenizer(texts[i:i + self.settings.max_batch], return_tensors="pt", padding=True,
                                  truncation=True, max_length=self.settings.max_length).to(self.settings.device)
             with torch.inference_mode():
                 scores += self.model(**enc).logits[:, 0].float().tolist()
-            self.stats.batches += 1
-            self.stats.tokens += int(enc["attention_mask"].sum())
-        self.stats.samples += len(texts)
-        self.stats.busy_s += time.monotonic() - t0
+            self.passes += 1
+        self.samples += len(texts)
         return scores
 
     def health(self) -> bool:
         return True
-
-    def get_stats(self) -> RewardModelStats:
-        return self.stats

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from asyncrl.agents.api import load_tokenizer
 from asyncrl.config.schema import JudgeConfig
 from asyncrl.interfaces import EngineHandle, RewardModelHandle
-from asyncrl.messages import Failure, RewardRequest
+from asyncrl.messages import Failure, RewardRequest, error_line
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, Trajectory
@@ -68,7 +68,7 @@ class RewardModelClient:
             (score,) = await self.replicas[i].score.remote([RewardRequest(problem.prompt, response,
                                                                           list(problem.messages or []))])
         except Exception as e:  # a dead or failing replica: this sample's reward is 0, the run goes on
-            raise ScoreFailed(Failure("reward_model_error", _first_line(e))) from None
+            raise ScoreFailed(Failure("reward_model_error", error_line(e))) from None
         finally:
             self.outstanding[i] -= 1
         return float(score)
@@ -113,7 +113,7 @@ class JudgeClient:
             result = await self.router.client().agenerate(self.prompt_ids(problem, response), self.sampling,
                                                           f"judge-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: this sample's reward is 0, the run goes on
-            raise ScoreFailed(Failure("judge_error", _first_line(e))) from None
+            raise ScoreFailed(Failure("judge_error", error_line(e))) from None
         return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
 
 
@@ -147,7 +147,7 @@ class RewardServices:
         for answer in answers:
             if isinstance(answer, BaseException):
                 failure = answer.failure if isinstance(answer, ScoreFailed) else Failure("reward_error",
-                                                                                        _first_line(answer))
+                                                                                        error_line(answer))
                 traj.reward = 0.0
                 traj.info["reward_failure"] = str(failure)
                 return failure
@@ -156,8 +156,3 @@ class RewardServices:
         traj.info["reward_metrics"] = {**traj.info.get("reward_metrics", {}), "env_reward": env,
                                        **{c.name: s for (c, _), s in zip(self.services, answers)}}
         return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e)
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
