@@ -130,6 +130,24 @@ def test_presets_set_what_they_promise(base_model):
     assert decoupled.algorithm.loss.type == "decoupled_ppo"
     assert decoupled.algorithm.n_samples_per_prompt == 8  # inherited from grpo
     assert load_config(["engine=vllm_gpu"]).engine.dtype == "bfloat16"
+    ppo = load_config(["algorithm=ppo", "algorithm.n_samples_per_prompt=1"])  # one sample: the critic is its baseline
+    assert ppo.algorithm.advantage == "gae" and ppo.algorithm.critic.lam == 1.0 and ppo.algorithm.loss.type == "grpo"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["algorithm.loss.type=gspo", "algorithm.loss.aggregation=sequence"],
+     ["algorithm.loss.type='gspo'", "one advantage per sequence"]),
+    (["trainer.pipeline_parallel_size=2"],
+     ["trainer.pipeline_parallel_size=2", "must be 1 with algorithm.advantage=gae"]),
+    (["algorithm.critic.lam=1.5"], ["algorithm.critic.lam=1.5", "must be in [0, 1]"]),
+    (["algorithm.critic.path=/no/such/critic"], ["algorithm.critic.path='/no/such/critic'", "no such directory"]),
+])
+def test_critic_settings_are_checked(overrides, expected, base_model):
+    with pytest.raises(ConfigError) as err:
+        load_config(["algorithm.advantage=gae", *overrides])
+    assert len(err.value.problems) == 1, err.value.problems
+    for text in expected:
+        assert text in str(err.value)
 
 
 @pytest.mark.parametrize("override,expected", [

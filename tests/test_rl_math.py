@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from asyncrl.algorithm.advantages import group_advantages, is_uniform, rloo_advantages
-from asyncrl.algorithm.losses import aggregation_weights, policy_loss
+from asyncrl.algorithm.advantages import gae, group_advantages, is_uniform, reverse_linear_scan, rloo_advantages
+from asyncrl.algorithm.losses import aggregation_weights, policy_loss, value_loss
 from asyncrl.config.schema import LossConfig
 
 log = math.log
@@ -185,3 +185,49 @@ def test_token_and_sequence_aggregation_weights():
     assert sum(float(w.sum()) for w in seq) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="aggregation"):
         aggregation_weights(masks, "batch")
+
+
+def test_gae_by_hand_over_two_trajectories_end_to_end():
+    # Trajectory 1: 3 tokens, V = 0.5, 0.2, 0.4, reward 1; trajectory 2: 2 tokens, V = 0.1, 0.3, reward 0.
+    # gamma 0.9, lam 0.5 (gamma * lam = 0.45):
+    #   t3: delta = 1 - 0.4 = 0.6;                A = 0.6
+    #   t2: delta = 0.9 * 0.4 - 0.2 = 0.16;        A = 0.16 + 0.45 * 0.6 = 0.43
+    #   t1: delta = 0.9 * 0.2 - 0.5 = -0.32;       A = -0.32 + 0.45 * 0.43 = -0.1265
+    #   u2: delta = 0 - 0.3 = -0.3;                A = -0.3
+    #   u1: delta = 0.9 * 0.3 - 0.1 = 0.17;        A = 0.17 + 0.45 * -0.3 = 0.035
+    values = t(0.5, 0.2, 0.4, 0.1, 0.3)
+    last = torch.tensor([False, False, True, False, True])
+    adv, ret = gae(values, t(0, 0, 1, 0, 0), last, gamma=0.9, lam=0.5)
+    assert adv.tolist() == pytest.approx([-0.1265, 0.43, 0.6, 0.035, -0.3])
+    assert ret.tolist() == pytest.approx([0.3735, 0.63, 1.0, 0.135, 0.0])  # A + V
+    # gamma = lam = 1 (the default): every token's advantage is the reward minus its own value
+    adv, ret = gae(values, t(0, 0, 1, 0, 0), last, gamma=1.0, lam=1.0)
+    assert adv.tolist() == pytest.approx([0.5, 0.8, 0.6, -0.1, -0.3])
+    assert ret.tolist() == pytest.approx([1, 1, 1, 0, 0])
+
+
+def test_reverse_linear_scan_equals_the_recursion():
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 64, 1000):
+        b, a = torch.randn(n, generator=gen, dtype=torch.float64), torch.rand(n, generator=gen, dtype=torch.float64)
+        x, expected = 0.0, []
+        for bt, at in zip(reversed(b.tolist()), reversed(a.tolist())):
+            x = bt + at * x
+            expected.append(x)
+        assert reverse_linear_scan(b, a).tolist() == pytest.approx(expected[::-1])
+
+
+def test_clipped_value_loss_by_hand():
+    # V_old = 0, clip 0.5, returns 1 for both tokens; weights 0.5 each.
+    #   token 1: V = 0.8: clipped V = 0.5; (0.8-1)^2 = 0.04 < (0.5-1)^2 = 0.25: l = 0.5 * 0.25 = 0.125
+    #            the clipped term is the larger: no gradient through V (the clamp is flat there)
+    #   token 2: V = 0.3: inside the clip: l = 0.5 * 0.49 = 0.245, dl/dV = (0.3 - 1) = -0.7 (x weight 0.5)
+    v = t(0.8, 0.3).requires_grad_(True)
+    out = value_loss(v, t(0, 0), t(1, 1), t(1, 1), t(0.5, 0.5), value_clip=0.5)
+    assert float(out.loss) == pytest.approx(0.5 * 0.125 + 0.5 * 0.245)
+    out.loss.backward()
+    assert v.grad.tolist() == pytest.approx([0.0, -0.35])
+    assert float(out.sums["value_clip_fraction"]) == 1 and float(out.tokens) == 2
+    # a masked token counts nowhere
+    out = value_loss(t(0.8, 0.3), t(0, 0), t(1, 1), t(0, 1), t(0.5, 0.5), value_clip=0.5)
+    assert float(out.loss) == pytest.approx(0.5 * 0.245) and float(out.sums["value_clip_fraction"]) == 0

@@ -147,8 +147,9 @@ def test_a_trainer_rank_that_dies_without_a_checkpoint_ends_the_run_in_one_line_
 def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path):
     """Submitted to a two-node Ray cluster on loopback (`ray start --head`, then a second raylet
     joining it), a run places its engine on the node offering `engine_node` and its trainer on the
-    one offering `trainer_node`, trains with weight syncs across them, and checkpoints at step 2
-    (trainer state, queue contents, loop snapshots, ledger, the driver's state)."""
+    one offering `trainer_node`, trains PPO with a critic with weight syncs across them, and
+    checkpoints at step 2 (trainer state with the critic's, queue contents, loop snapshots, ledger,
+    the driver's state)."""
     # The test stops exactly this cluster's processes by their tag (`ray stop` would stop every Ray
     # cluster on the machine, the test session's own included).
     tag = cluster_tag()
@@ -173,6 +174,7 @@ def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path
         cmd = [ray_bin, "job", "submit", f"--address=http://127.0.0.1:{dashboard}", f"--working-dir={REPO}",
                "--runtime-env-json", json.dumps({"excludes": [".venv", "runs", ".git", "outputs"]}), "--",
                sys.executable, "-m", "asyncrl.cli", "train", *TINY, "trainer.checkpoint_every=2",
+               "algorithm.advantage=gae",  # PPO with a critic: its metrics and its checkpoint entries
                "eval.max_concurrent=1",  # its evaluation at step 2 still runs at step 3's sync point
                "cluster.address=auto", f"run.output_dir={first}",
                "+engine.resources.engine_node=1", "+trainer.resources.trainer_node=1"]
@@ -197,7 +199,10 @@ def test_a_run_under_ray_job_submit_on_two_nodes_trains_and_checkpoints(tmp_path
         kill_tagged(tag)
 
     ckpt = first / "checkpoints" / "step_000002"  # complete: what `run.resume_from` continues
-    for part in ("trainer_state.json", "queue.json", "loops.json", "ledger.json", "run_state.json"):
+    for part in ("trainer_state.json", "queue.json", "loops.json", "ledger.json", "run_state.json",
+                 "critic/.metadata"):
         assert (ckpt / part).is_file(), part
+    steps = [r for r in map(json.loads, (first / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert all(r["critic/value_loss"] >= 0 and r["critic/explained_variance"] <= 1 for r in steps)
     # A run continuing from its newest checkpoint (`run.resume_from=latest`) after it was killed
     # whole: tests/test_bench.py's faults bench.

@@ -56,13 +56,15 @@ def test_export_without_training_is_the_hf_checkpoint_and_logits_match(ray_clust
 
 
 def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_cluster, tokenizer, tmp_path):
-    """Same data, TP=1 vs TP=2 (two gloo processes): same losses, grad norms and weights;
-    a TP=2 distributed checkpoint then loads into a TP=1 trainer unchanged."""
-    steps = [make_groups(tokenizer, seed=s) for s in range(2)]
-    overrides = ["trainer.lr=1e-3", "trainer.micro_batch_size=4"]
+    """Same data, TP=1 vs TP=2 (two gloo processes), PPO with a critic (gae): same losses, grad
+    norms, weights and critic metrics; a TP=2 distributed checkpoint then loads into a TP=1
+    trainer unchanged, its critic and both optimizers too (the next step is TP=2's next step)."""
+    steps = [make_groups(tokenizer, seed=s) for s in range(3)]
+    overrides = ["trainer.lr=1e-3", "trainer.micro_batch_size=4", "algorithm.advantage=gae",
+                 "algorithm.critic.lr=3e-3", "algorithm.critic.lam=0.9"]
 
     def train(group):
-        metrics = [group.train_step(groups, 0).metrics for groups in steps]
+        metrics = [group.train_step(groups, 0).metrics for groups in steps[:2]]
         return metrics, exported_state(group, tmp_path / f"hf{group.world_size}")
 
     m1, w1 = run_trainer(overrides, train)
@@ -70,13 +72,19 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
     def train_and_save(group):
         result = train(group)
         group.save_checkpoint(str(tmp_path / "ckpt_tp2"))
-        return result
+        values = group.on_ranks(lambda r: r.critic_values.remote(steps[2]))
+        return result, values, group.train_step(steps[2], 0).metrics
 
-    m2, w2 = run_trainer([*overrides, "trainer.tensor_parallel_size=2"], train_and_save)
+    (m2, w2), values2, next2 = run_trainer([*overrides, "trainer.tensor_parallel_size=2"], train_and_save)
     for a, b in zip(m1, m2):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
         assert a["train/tokens"] == b["train/tokens"]
+        for name in ("critic/value_loss", "critic/grad_norm", "critic/values_mean", "critic/explained_variance"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+    # the critic starts at 0 (zero head) and learns: the second step's values move, its loss falls
+    assert m1[0]["critic/values_mean"] == 0 and m1[1]["critic/values_mean"] != 0
+    assert m1[1]["critic/value_loss"] < m1[0]["critic/value_loss"]
     # Adam normalises each gradient element, so an element whose gradient is near zero takes
     # a step of any size from float-rounding noise alone (seen: 2% of the movement on one
     # element). Compare the weights as a whole: TP=2 must move them where TP=1 did.
@@ -89,11 +97,15 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
 
     def load(group):
         step = group.load_checkpoint(str(tmp_path / "ckpt_tp2"))
-        return step, exported_state(group, tmp_path / "hf_loaded")
+        values = group.on_ranks(lambda r: r.critic_values.remote(steps[2]))
+        return step, exported_state(group, tmp_path / "hf_loaded"), values, group.train_step(steps[2], 0).metrics
 
-    step, w_loaded = run_trainer(overrides, load)
-    assert step == len(steps)
+    step, w_loaded, values_loaded, next_loaded = run_trainer(overrides, load)
+    assert step == 2
     assert all(torch.equal(w_loaded[k], w2[k]) for k in w2)
+    assert torch.allclose(values_loaded, values2, atol=1e-5), (values_loaded - values2).abs().max()
+    for name in ("train/loss", "train/grad_norm", "critic/value_loss", "critic/grad_norm"):
+        assert next_loaded[name] == pytest.approx(next2[name], rel=1e-4, abs=1e-6), name
 
 
 def test_decoupled_ppo_with_several_updates_clips_against_the_policy_before_the_step(ray_cluster, tokenizer):

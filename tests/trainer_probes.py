@@ -32,6 +32,13 @@ class ProbedTrainerRank(TrainerRank):
         logits = self._forward(self.model[0], row)
         return gather_from_tensor_model_parallel_region(logits).float().cpu().view(b, n, -1)
 
+    def critic_values(self, groups: list) -> torch.Tensor:
+        """The critic's value of every response token of these groups' samples, in packing order
+        (algorithm.advantage=gae; this rank's share)."""
+        updates = self._packed_updates(build_samples(groups, self.cfg.algorithm.loss, "gae").samples)
+        self.critic.prepare(updates)
+        return torch.cat([b.values for update in updates for b in update])
+
     def embedding_grad(self, groups: list, max_tokens: int | None = None, logit_chunk: int | None = None,
                        loss: LossConfig | None = None) -> tuple[torch.Tensor, list[int]]:
         """The loss gradient w.r.t. the (tied) embedding for these groups, without an update:

@@ -6,6 +6,12 @@ grpo, for the n rewards r_1..r_n of one prompt's group:
 rloo (leave-one-out): A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean(r))
 reinforce_pp (REINFORCE++): over every sample of the step's batch (all groups),
     A = (r - mean_batch(r)) / (std_batch(r) + eps)
+gae (PPO with a critic), per trained token t of a trajectory, with V the value model's
+estimate before the token, R the trajectory's reward (on its last trained token) and the
+trajectory's trained tokens as the time steps (tool/env tokens between them are the env's):
+    delta_t = r_t + gamma * V_{t+1} - V_t        (r_t = R on the last token, else 0; V after it = 0)
+    A_t     = delta_t + gamma * lam * A_{t+1}     (A after the last token = 0)
+    returns_t = A_t + V_t                          (the value model's target)
 std is the sample standard deviation (n - 1 in the denominator), as in torch.std and
 verl; eps = 1e-4 as in Megatron-LM. A group whose rewards are all equal carries no
 learning signal for the group baselines (every A_i is 0); `is_uniform` lets the trainer
@@ -15,6 +21,8 @@ filter it out.
 from __future__ import annotations
 
 import math
+
+import torch
 
 EPS = 1e-4
 
@@ -49,3 +57,29 @@ def batch_normalized(rewards: list[float], eps: float = EPS) -> list[float]:
 def is_uniform(rewards: list[float]) -> bool:
     """True when every reward of the group is the same (no signal for group advantages)."""
     return len(rewards) == 0 or max(rewards) == min(rewards)
+
+
+def gae(values: torch.Tensor, rewards: torch.Tensor, last: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE for trajectories laid end to end: `values` [T] of their trained tokens in order,
+    `rewards` [T] (a trajectory's reward on its last token, 0 elsewhere), `last` [T] bool (a
+    trajectory's last token). Returns (advantages, returns), [T] each. No loop over tokens:
+    the recursion is a scan in log2(T) vector steps (`reverse_linear_scan`)."""
+    after = torch.cat([values[1:], values.new_zeros(1)]) * ~last  # V_{t+1}; 0 past a trajectory's end
+    delta = rewards + gamma * after - values
+    advantages = reverse_linear_scan(delta, (gamma * lam) * (~last).to(values.dtype))
+    return advantages, advantages + values
+
+
+def reverse_linear_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """x with x_t = b_t + a_t * x_{t+1} (x past the end = 0), for 1-D `b`, `a`: each element
+    holds the map x_{t+1} -> x_t as (a, b); composing maps of spans 1, 2, 4, ... (Hillis-Steele)
+    leaves each element the map of its whole suffix, whose constant is x_t."""
+    b, a = b.clone(), a.clone()
+    d, n = 1, b.numel()
+    while d < n:
+        # the right-hand sides read the old values: (a1, b1) after (a2, b2) = (a1 a2, b1 + a1 b2)
+        b[:-d] = b[:-d] + a[:-d] * b[d:]
+        a[:-d] = a[:-d] * a[d:]
+        d *= 2
+    return b

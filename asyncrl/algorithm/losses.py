@@ -26,6 +26,10 @@ Optional terms, added to l:
     k3 KL to a reference policy   kl_coef * (exp(ref - logp) - (ref - logp) - 1)
     entropy bonus                 -entropy_coef * H_t
 
+The value model's loss (gae; V: its value now, V_old: before the step, G: the return):
+    V_clip = V_old + clip(V - V_old, -value_clip, value_clip)
+    l = 0.5 * max((V - G)^2, (V_clip - G)^2)       (PPO's clipped value loss, as verl's)
+
 Aggregation: `token` averages over every trained token of the step; `sequence` first
 averages within each trajectory, then over trajectories. `aggregation_weights` turns
 either into one weight per token, computed once for the whole step, so that summing
@@ -169,3 +173,16 @@ def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, eps_lo: float, eps_
     sums["clip_low"] = ((ratio < 1 - eps_lo) & (advantages < 0) & trained).sum()
     sums["clip_high"] = ((ratio > 1 + eps_hi) & (advantages > 0) & trained).sum()
     return -torch.minimum(unclipped, clipped_obj), (clipped_obj < unclipped) & trained
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               weights: torch.Tensor, value_clip: float) -> LossOutput:
+    """The critic's clipped value loss over a set of tokens, weighted as the policy loss, and its
+    statistics: `value_clip_fraction` counts the tokens where the clipped term is the larger."""
+    mask = mask.float()
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    unclipped_err, clipped_err = (values - returns) ** 2, (clipped - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_err, clipped_err)
+    sums = {"value_clip_fraction": ((clipped_err > unclipped_err) & (mask > 0)).sum(),
+            "value_loss": (per_token.detach() * mask).sum()}
+    return LossOutput(loss=(per_token * weights * mask).sum(), sums=sums, tokens=mask.sum())

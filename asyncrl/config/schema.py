@@ -21,7 +21,7 @@ DEVICES = ("cpu", "cuda")
 DATA_SOURCES = ("reasoning_gym", "file")
 DATA_FORMATS = ("qa", "verl")  # the row layout of a source=file dataset (DataConfig.format)
 LOSS_TYPES = ("grpo", "decoupled_ppo", "tis", "gspo", "cispo", "icepop")
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "gae")
 # auto: shared memory (CPU) or CUDA IPC (GPU) where every engine is on trainer rank 0's host or
 # GPU, else the broadcast (asyncrl/sync/shared_buckets.py)
 WEIGHT_SYNC_TRANSPORTS = ("auto", "broadcast", "shared_memory")
@@ -337,6 +337,18 @@ class LossConfig:
 
 
 @dataclass
+class CriticConfig:
+    # algorithm.advantage=gae: PPO's value model, trained in the trainer ranks beside the policy
+    # (asyncrl/trainer/critic.py): the backbone of `path` with a scalar head (zeros at the start:
+    # every value is 0 until it learns), its own Adam at `lr` (constant), its own checkpoint entries.
+    path: str = ""  # a causal LM checkpoint with the policy's tokenizer; "" = model.path
+    lr: float = 0.0  # 0 = trainer.lr
+    gamma: float = 1.0  # discount per trained token
+    lam: float = 1.0  # GAE's lambda: 1 = Monte Carlo returns minus the values, 0 = one-step TD
+    value_clip: float = 0.5  # PPO's clip of the new value around the value the step started with
+
+
+@dataclass
 class AlgorithmConfig:
     n_samples_per_prompt: int = 8
     prompts_per_step: int = 32  # B
@@ -356,9 +368,12 @@ class AlgorithmConfig:
     # model's tokens either way (the trainer reports how often its router agrees).
     routing_replay: str = "none"
     # grpo: (r - group mean) / group std (loss.normalize_adv_std); rloo: r minus the mean of the
-    # group's other rewards; reinforce_pp: (r - batch mean) / batch std over the step's samples
+    # group's other rewards; reinforce_pp: (r - batch mean) / batch std over the step's samples;
+    # gae: per token, from a value model (`critic`), whitened over the step with
+    # loss.normalize_adv_std (groups of equal rewards are trained: the values still differ)
     advantage: str = "grpo"
     loss: LossConfig = field(default_factory=LossConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 @dataclass

@@ -280,8 +280,8 @@ def _check_trainer(c: Config, problems: list[str], need, at_least, one_of, withi
 
 def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     a = c.algorithm
-    need(a.n_samples_per_prompt >= 2, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
-         "must be >= 2: group-relative advantages compare samples of the same prompt")
+    need(a.n_samples_per_prompt >= 2 or a.advantage == "gae", "algorithm.n_samples_per_prompt",
+         a.n_samples_per_prompt, "must be >= 2: group-relative advantages compare samples of the same prompt")
     need(a.n_samples_per_prompt <= MAX_GROUP_SIZE, "algorithm.n_samples_per_prompt", a.n_samples_per_prompt,
          f"must be <= {MAX_GROUP_SIZE}")
     at_least("algorithm.prompts_per_step", a.prompts_per_step, 1)
@@ -306,6 +306,8 @@ def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, wit
     at_least("algorithm.loss.entropy_coef", loss.entropy_coef, 0)
     one_of("algorithm.loss.aggregation", loss.aggregation, AGGREGATIONS)
     one_of("algorithm.advantage", a.advantage, ADVANTAGES)
+    if a.advantage == "gae":
+        _check_critic(c, problems, need, at_least)
     if loss.type == "gspo":  # its objective is a sequence's: a token mean would weight it by length
         need(loss.aggregation == "sequence", "algorithm.loss.aggregation", loss.aggregation,
              "gspo's ratio and objective are per sequence: needs algorithm.loss.aggregation=sequence")
@@ -313,6 +315,20 @@ def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, wit
     at_least("algorithm.loss.seq_clip_eps_high", loss.seq_clip_eps_high, 0)
     need(0 < loss.icepop_low <= 1 <= loss.icepop_high, "algorithm.loss.icepop_low", loss.icepop_low,
          f"must be in (0, 1], with algorithm.loss.icepop_high={loss.icepop_high} >= 1 (the band holds ratio 1)")
+
+
+def _check_critic(c: Config, problems: list[str], need, at_least) -> None:
+    cr = c.algorithm.critic
+    if cr.path:
+        _check_checkpoint_dir("algorithm.critic.path", cr.path, problems)
+    need(c.algorithm.loss.type != "gspo", "algorithm.loss.type", c.algorithm.loss.type,
+         "gspo takes one advantage per sequence; algorithm.advantage=gae gives one per token")
+    need(c.trainer.pipeline_parallel_size == 1, "trainer.pipeline_parallel_size", c.trainer.pipeline_parallel_size,
+         "must be 1 with algorithm.advantage=gae (the critic is not built for pipeline stages yet)")
+    at_least("algorithm.critic.lr", cr.lr, 0, "0 = trainer.lr")
+    need(0 < cr.gamma <= 1, "algorithm.critic.gamma", cr.gamma, "must be in (0, 1]")
+    need(0 <= cr.lam <= 1, "algorithm.critic.lam", cr.lam, "must be in [0, 1]")
+    need(cr.value_clip > 0, "algorithm.critic.value_clip", cr.value_clip, "must be > 0")
 
 
 def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, within) -> None:

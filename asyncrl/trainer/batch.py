@@ -2,7 +2,8 @@
 
 1) `build_samples`: each usable trajectory becomes a `TrainSample` (prompt + response
    token ids exactly as the engine produced them, behaviour logprobs mu, loss mask,
-   per-token versions) with its group-relative advantage.
+   per-token versions) with its group-relative advantage (with `gae` the trainer computes
+   each token's from the critic's values later: the sample keeps its reward).
    Failed trajectories, (optionally) groups whose rewards are all equal and
    (optionally) truncated responses are left out and counted.
 2) `assign_weights` gives each token its aggregation weight within one optimizer
@@ -39,6 +40,7 @@ class TrainSample:
     mask: list[int]  # 1 = trained (policy token), 0 = tool/env token
     versions: list[int]  # policy version of each response token (-1 for env tokens)
     advantage: float
+    reward: float = 0.0  # the trajectory's reward (gae's advantages start from it)
     # Aggregation weight of each response token (set by `assign_weights`; they sum to 1 over a mini-batch).
     weights: list[float] = field(default_factory=list)
     # Routing replay: the engine's experts for the first positions of `tokens`, uint8 [n, layers, top_k].
@@ -56,12 +58,13 @@ class StepBatch:
     filtered: dict[str, str] = field(default_factory=dict)  # prompt id -> group_filter_reason
 
 
-def group_filter_reason(group: TrajectoryGroup, loss: LossConfig) -> str | None:
-    """Why a group gives no training signal ("no_usable", "uniform"), or None when it does."""
+def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, advantage: str = "grpo") -> str | None:
+    """Why a group gives no training signal ("no_usable", "uniform"), or None when it does. With
+    `gae` every usable sample has one (its values are its own baseline): groups of equal rewards too."""
     rewards = [t.reward for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
-    if len(rewards) < 2:
+    if len(rewards) < (1 if advantage == "gae" else 2):
         return "no_usable"
-    if loss.filter_uniform_groups and is_uniform(rewards):
+    if loss.filter_uniform_groups and advantage != "gae" and is_uniform(rewards):
         return "uniform"
     return None
 
@@ -73,7 +76,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
              "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
     rewards_all: list[float] = []
-    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss)) is not None}
+    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss, advantage)) is not None}
     trained = [g for g in groups if g.prompt_id not in filtered]
     # REINFORCE++ normalises over every sample the step trains on
     batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
@@ -93,6 +96,8 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
             advantages = rloo_advantages(rewards)
         elif advantage == "reinforce_pp":
             advantages = [(r - batch_mean) / (batch_std + EPS) for r in rewards]
+        elif advantage == "gae":
+            advantages = [0.0] * len(rewards)  # per token, by the trainer (the critic's values)
         else:
             advantages = group_advantages(rewards, loss.normalize_adv_std)
         for traj, adv in zip(usable, advantages):
@@ -110,7 +115,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
             samples.append(TrainSample(
                 tokens=tokens, prompt_len=len(traj.prompt_token_ids),
                 mu=traj.response_logprobs, mask=mask, versions=traj.versions,
-                advantage=adv, routes=routes[:len(tokens)] if routes is not None else None))
+                advantage=adv, reward=traj.reward, routes=routes[:len(tokens)] if routes is not None else None))
     stats["samples"] = len(samples)
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
     return StepBatch(samples, stats, filtered)
@@ -183,9 +188,13 @@ class PackedBatch:
     weights: torch.Tensor  # [N]
     versions: torch.Tensor  # [N]
     seq_index: torch.Tensor  # [N] which sample of the micro-batch each token is of (sequence-level losses)
+    rewards: torch.Tensor  # [n] each sample's reward (gae)
     # Filled by the trainer before the update when the loss needs them: [N] logprobs.
     prox: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+    # gae, filled by the trainer: [N] the critic's values before the step, and their targets
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
     # Routing replay, for all L positions: [L, layers, top_k] expert ids, and which positions have
     # the engine's (the others, a sequence's last token and the pad, hold experts 0..top_k-1: no
     # trained logit depends on them).
@@ -246,7 +255,9 @@ def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
         logit_index=torch.tensor(logit_index), targets=torch.tensor(targets),
         mu=torch.tensor(mu, dtype=torch.float32), mask=torch.tensor(mask, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32), weights=torch.tensor(weights, dtype=torch.float32),
-        versions=torch.tensor(versions), seq_index=torch.tensor(seq_index), routes=routes, routes_valid=routes_valid)
+        versions=torch.tensor(versions), seq_index=torch.tensor(seq_index),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32), routes=routes,
+        routes_valid=routes_valid)
 
 
 def _pack_routes(samples: list[TrainSample], length: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -14,6 +14,8 @@ A train step (`train_step`):
   3) per update: forward + backward over the micro-batches (gradient accumulation), the
      loss from `asyncrl.algorithm.losses`, then data-parallel gradient all-reduce,
      clipping, optimizer step, LR schedule.
+With `algorithm.advantage=gae` a value model (critic.py) gives each token its advantage
+between 2) and 3), and makes its own updates after the policy's.
 Then the statistics of all ranks are reduced into one metrics dict.
 
 Weights leave the trainer in Hugging Face names (mbridge): broadcast to the engines
@@ -61,6 +63,7 @@ from asyncrl.trainer.batch import (
     shard_for_data_parallel,
 )
 from asyncrl.trainer.logprobs import LOGIT_CHUNK_ELEMENTS, token_logprobs
+from asyncrl.trainer.megatron_model import adam, forward_packed, grads_finite, run_schedule, wrap_ddp
 from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import read_trainer_state, write_trainer_state
 from asyncrl.trainer.settings import TrainerSettings
@@ -154,7 +157,7 @@ class TrainerRank:
         # Sequence parallelism splits each packed row across the tensor-parallel ranks.
         self.sequence_parallel = self.bridge.config.sequence_parallel
         self.pack_multiple = self.tp_size if self.sequence_parallel else 1
-        self.model = self._wrap_ddp(self._load_model(build_gpt_model, path, adapters=True))
+        self.model = wrap_ddp(self._load_model(build_gpt_model, path, adapters=True))
         mc = self.bridge.config
         self.tp_fold_params = []  # MoE under TP without sequence parallelism (CPU): gradients divided by TP
         if self.on_cpu and mc.num_moe_experts and self.tp_size > 1 and not self.sequence_parallel:
@@ -167,6 +170,11 @@ class TrainerRank:
             for p in self.ref_model[0].parameters():
                 p.requires_grad_(False)
         self.optimizer, self.scheduler = self._build_optimizer()
+        self.critic = None  # algorithm.advantage=gae: the value model, trained beside the policy
+        if self.cfg.algorithm.advantage == "gae":
+            from asyncrl.trainer.critic import Critic
+
+            self.critic = Critic(self.cfg, self.device, self.dtype, self.use_te)
         self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
                                      int(t.weight_sync_in_place_mb * 2**20))
         if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
@@ -193,32 +201,11 @@ class TrainerRank:
             chunks = [Float16Module(c.config, c) for c in chunks]
         return chunks
 
-    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=False)
-        wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in chunks]
-        config = chunks[0].config
-        config.finalize_model_grads_func = finalize_model_grads  # data-parallel all-reduce after the last micro-batch
-        config.no_sync_func = wrapped[0].no_sync
-        return wrapped
-
     def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         t = self.cfg.trainer
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.grad_clip, bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype, use_distributed_optimizer=False)
-        optimizer = get_megatron_optimizer(opt_config, self.model)
-        self.model[0].config.grad_scale_func = optimizer.scale_loss
+        optimizer = adam(self.model, t, self.dtype, t.lr)
         updates = t.total_steps * t.mini_batches_per_step
         warmup = t.warmup_steps * t.mini_batches_per_step
         scheduler = OptimizerParamScheduler(
@@ -251,6 +238,7 @@ class TrainerRank:
             for b in batches:
                 b.prox = self._logprobs(self.model, b) if need_prox else None
                 b.ref = self._logprobs(self.ref_model, b) if self.ref_model is not None else None
+        critic_metrics = self.critic.prepare(updates) if self.critic is not None else {}  # gae's advantages
         for batches in updates:
             outputs, grad_norm = self._update(batches)
             grad_norms.append(grad_norm)
@@ -268,11 +256,14 @@ class TrainerRank:
                 maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
                 for s in range(self.cfg.algorithm.max_staleness + 1):  # the same names on every rank
                     stats[f"staleness_share_{s}"] = stats.get(f"staleness_share_{s}", 0.0) + float((stale == s).sum())
+        if self.critic is not None:  # after the policy's updates: they read the values the step started with
+            critic_metrics.update(self.critic.train(updates))
         self.step += 1
         stats, maxima = _read(stats), _read(maxima)
         tokens, loss_sum = _read({"tokens": tokens, "loss": loss_sum}).values()
         metrics = self._reduce_metrics(stats, maxima, tokens, loss_sum)
         metrics.update({f"batch/{k}": v for k, v in step.stats.items()})
+        metrics.update(critic_metrics)
         if self.router_stats is not None:
             metrics.update(self.router_stats.reduce(1 if self.sequence_parallel else self.tp_size, self.device))
         metrics["train/grad_norm"] = max(grad_norms) if grad_norms else 0.0
@@ -316,7 +307,7 @@ class TrainerRank:
         for param in self.tp_fold_params:
             param.main_grad.div_(self.tp_size)
         outputs = [r for r in results if isinstance(r, LossOutput)]
-        if not self._grads_finite():  # the last guard: NaN or inf never reaches the weights
+        if not grads_finite(self.model, self.device):  # the last guard: NaN or inf never reaches the weights
             self.skipped_updates += 1
             logger.warning("trainer step %d: a gradient is not finite (loss %s): this update is skipped (%d so far)",
                            self.step + 1, [float(o.loss) for o in outputs][:4], self.skipped_updates)
@@ -325,16 +316,6 @@ class TrainerRank:
         if success:
             self.scheduler.step(increment=1)
         return outputs, float(grad_norm or 0.0)
-
-    def _grads_finite(self) -> bool:
-        """Every gradient of every rank is finite (after the data-parallel all-reduce): one flag,
-        reduced over the trainer's world so that every rank skips or steps alike."""
-        finite = torch.ones((), device=self.device)
-        for m in self.model:
-            for buffer in m.buffers + m.expert_parallel_buffers:
-                finite = finite * torch.isfinite(buffer.grad_data).all()
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        return bool(finite)
 
     @torch.no_grad()
     def _logprobs(self, model: list[torch.nn.Module], batch: PackedBatch) -> torch.Tensor | None:
@@ -345,16 +326,8 @@ class TrainerRank:
 
     def _run(self, model: list[torch.nn.Module], batches: list[PackedBatch], forward_only: bool) -> list:
         """megatron's schedule (handles pipeline stages) over our packed micro-batches."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        if not batches:
-            return []
         try:
-            return get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, forward_only, len(batches)),
-                data_iterator=iter(batches), model=model, num_microbatches=len(batches),
-                seq_length=max(b.input_ids.shape[1] for b in batches), micro_batch_size=1,
-                forward_only=forward_only)
+            return run_schedule(model, batches, self._forward_step, forward_only)
         finally:
             if self.replay_routes:
                 moe_routing.clear(model)
@@ -383,22 +356,7 @@ class TrainerRank:
         return rows[mpu.get_tensor_model_parallel_rank() * n:][:n]
 
     def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        """The packed row as megatron's THD format: rope restarts at every sequence, and the
-        attention (Transformer Engine's, or attention.py's on local layers) stays within each."""
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        # The kernels read the boundaries on the device (`cu_seqlens_q`, moved with the batch);
-        # megatron's per-sequence rope reads the "padded" ones, equal here (no padding inside a
-        # sequence), as a host list: on the host it needs no synchronisation per layer. TE reads both
-        # on the device.
-        cu, host = batch.cu_seqlens_device, batch.cu_seqlens
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 cu_seqlens_q_padded=cu if self.use_te else host,
-                                 cu_seqlens_kv_padded=cu if self.use_te else host,
-                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
-        # bf16 (Float16Module): logits stay bf16; the loss takes them to fp32 a chunk at a time
-        half = {"fp32_output": False} if self.dtype != torch.float32 else {}
-        return model(batch.input_ids, batch.position_ids, None, packed_seq_params=packed, **half)
+        return forward_packed(model, batch, self.use_te, half=self.dtype != torch.float32)
 
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
         # The rows that predict response tokens, at the sampling temperature (the engines report
@@ -585,6 +543,8 @@ class TrainerRank:
             path.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
         dist_checkpointing.save(self._sharded_state(), str(path))
+        if self.critic is not None:
+            self.critic.save(path / "critic")
         if self.rank == 0:
             write_trainer_state(path, self.step, self.scheduler.state_dict())
         torch.distributed.barrier()
@@ -604,6 +564,8 @@ class TrainerRank:
         self.model[0].module.load_state_dict(loaded["model"])
         if load_optimizer:
             self.optimizer.load_state_dict(loaded["optimizer"])
+        if self.critic is not None:
+            self.critic.load(Path(ckpt_dir) / "critic", load_optimizer)
         self.step = step
         self._lag.clear()  # the restored weights are the oldest a lagged sync can send now
         if load_optimizer:
