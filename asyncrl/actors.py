@@ -67,6 +67,7 @@ class Placement:
     worker: list[Options] = field(default_factory=list)
     reward_model: list[Options] = field(default_factory=list)
     judge: list[Options] = field(default_factory=list)
+    teacher: list[Options] = field(default_factory=list)
     group: Any = None  # the placement group, removed by `remove_placement`
     names: list[str] = field(default_factory=list)  # each bundle's actor, as the dashboard names it
 
@@ -152,15 +153,16 @@ def engine_resources(cfg: Config) -> dict[str, float]:
 
 def _roles(cfg: Config, engines: int | None = None) -> list[tuple[str, dict[str, float]]]:
     """Each bundle of the run's placement group, with its role: the engines', the trainer ranks',
-    the rollout workers', the reward model's replicas', the judge's engines'."""
+    the rollout workers', the reward model's replicas', the judge's and the teacher's engines'."""
     gpu = {"GPU": 1} if cfg.cluster.device == "cuda" else {}
-    t, m, j = cfg.trainer, cfg.reward.model, cfg.reward.judge
+    t, m = cfg.trainer, cfg.reward.model
+    served = [(name, {"CPU": cpus, **gpu}, n if path else 0) for name, (path, n, cpus) in _service_engines(cfg).items()]
     return ([("engine", engine_resources(cfg))] * (cfg.engine.num_engines if engines is None else engines)
             + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **gpu})] * trainer_world_size(cfg)
             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
             * cfg.rollout.num_workers
             + [("reward_model", {"CPU": m.num_cpus_per_actor, **gpu})] * (m.num_actors if m.path else 0)
-            + [("judge", {"CPU": j.num_cpus_per_engine, **gpu})] * (j.num_engines if j.path else 0))
+            + [(name, bundle) for name, bundle, n in served for _ in range(n)])
 
 
 def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float]:
@@ -174,7 +176,7 @@ def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float
 
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
     """One placement group (PACK): a bundle per engine, trainer rank, rollout worker, reward model
-    replica and judge engine.
+    replica, judge engine and teacher engine.
     Raises PlacementError when the cluster lacks the resources, naming what to lower."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -305,22 +307,25 @@ def rollout_worker_options(cfg: Config, worker_id: int, restart: int = 0) -> Opt
 def create_rollout_workers(cfg: Config, engines: list[EngineHandle | None], queue: QueueHandle | None,
                            slots: list[Options] | None = None, sampling: SamplingSpec | None = None,
                            restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
-                           judges: list[EngineHandle] | None = None) -> list[RolloutWorkerHandle]:
+                           judges: list[EngineHandle] | None = None,
+                           teachers: list[EngineHandle] | None = None) -> list[RolloutWorkerHandle]:
     """`rollout.num_workers` RolloutWorkers over these engines, emitting groups to `queue`
-    (None: each keeps its groups for `take_groups`), scoring with `reward_models` and `judges`
-    (the run's reward services) too if given."""
-    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart, reward_models, judges)
+    (None: each keeps its groups for `take_groups`), scoring with `reward_models`, `judges` and
+    `teachers` (the run's reward services and distillation teacher) too if given."""
+    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart, reward_models, judges,
+                                  teachers)
             for i in range(cfg.rollout.num_workers)]
 
 
 def create_rollout_worker(cfg: Config, worker_id: int, engines: list[EngineHandle | None], queue: QueueHandle | None,
                           slot: Options | None = None, sampling: SamplingSpec | None = None,
                           restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
-                          judges: list[EngineHandle] | None = None) -> RolloutWorkerHandle:
+                          judges: list[EngineHandle] | None = None,
+                          teachers: list[EngineHandle] | None = None) -> RolloutWorkerHandle:
     """One RolloutWorker, `rollout-worker-<worker_id>` on the dashboard (a replacement: `.rN`)."""
     return (ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, worker_id, restart), **(slot or {}))
             .remote(worker_id, WorkerSettings.of(cfg), engines, agents_of(cfg), queue, sampling,
-                    reward_models=reward_models, judges=judges))
+                    reward_models=reward_models, judges=judges, teachers=teachers))
 
 
 def create_reward_model(cfg: Config, index: int, slot: Options | None = None, restart: int = 0
@@ -333,22 +338,30 @@ def create_reward_model(cfg: Config, index: int, slot: Options | None = None, re
     return ray.remote(RewardModelActor).options(**opts, **(slot or {})).remote(RewardModelSettings.of(cfg))
 
 
-def create_judge_engine(cfg: Config, index: int, slot: Options | None = None, restart: int = 0) -> EngineHandle:
-    """The judge's engine `index` (reward.judge), `judge-<index>` on the dashboard, in its bundle
-    `slot`, not started yet: an EngineActor serving reward.judge.path with the run's engine settings,
-    never in a weight sync (so never paused)."""
-    j = cfg.reward.judge
-    opts: Options = {"name": _name("judge", index, restart), "num_cpus": j.num_cpus_per_engine,
-                     "max_concurrency": 10_000}
+# Models the run serves on engines of their own, never trained: name -> (path, engines, CPUs each)
+def _service_engines(cfg: Config) -> dict[str, tuple[str, int, float]]:
+    j, d = cfg.reward.judge, cfg.algorithm.distill
+    return {"judge": (j.path, j.num_engines, j.num_cpus_per_engine),
+            "teacher": (d.teacher_path, d.num_engines, d.num_cpus_per_engine)}
+
+
+def create_service_engine(cfg: Config, name: str, index: int, slot: Options | None = None,
+                          restart: int = 0) -> EngineHandle:
+    """Engine `index` of served model `name` ("judge": reward.judge; "teacher": algorithm.distill),
+    `<name>-<index>` on the dashboard, in its bundle `slot`, not started yet: an EngineActor with
+    the run's engine settings, never in a weight sync (so never paused)."""
+    path, _, cpus = _service_engines(cfg)[name]
+    opts: Options = {"name": _name(name, index, restart), "num_cpus": cpus, "max_concurrency": 10_000}
     return (ray.remote(EngineActor).options(**opts, **(slot or {}))
-            .remote(index, j.path, "", cfg.engine, cfg.cluster.device, False))
+            .remote(index, path, "", cfg.engine, cfg.cluster.device, False))
 
 
-def create_judge_engines(cfg: Config, slots: list[Options] | None = None) -> list[EngineHandle]:
-    """The judge's engines (none without reward.judge.path), started."""
-    if not cfg.reward.judge.path:
+def create_service_engines(cfg: Config, name: str, slots: list[Options] | None = None) -> list[EngineHandle]:
+    """The engines of served model `name` (none when it has no path), started."""
+    path, n, _ = _service_engines(cfg)[name]
+    if not path:
         return []
-    engines = [create_judge_engine(cfg, i, slot(slots, i)) for i in range(cfg.reward.judge.num_engines)]
+    engines = [create_service_engine(cfg, name, i, slot(slots, i)) for i in range(n)]
     start_engines(engines)
     return engines
 

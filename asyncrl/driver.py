@@ -113,7 +113,7 @@ class Driver:
         self.queue = actors.create_queue(cfg)
         self.workers = WorkerPool(cfg, self.queue, self.engines.routed, self.placement.worker,
                                   reward_slots={"reward_model": self.placement.reward_model,
-                                                "judge": self.placement.judge})
+                                                "judge": self.placement.judge, "teacher": self.placement.teacher})
         self.engines.connect(self.trainer)
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
         self.heldout = self.agents.heldout(cfg.eval.num_problems)

@@ -16,7 +16,8 @@ to the interfaces.
 The shared weight-sync transports (asyncrl.sync.shared_buckets) add methods to the real engine and
 trainer rank only (`SharedWeightsEngine`, `SharedWeightsTrainerRank`): a run with a simulated
 backend always broadcasts (asyncrl.actors.create_weight_sync; a simulated broadcast is a wait of
-its simulated time), so on the sims those methods would be dead code.
+its simulated time), so on the sims those methods would be dead code. So would `TeacherEngine`'s:
+a teacher is a real engine.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class SharedWeightsEngine(EngineInterface, Protocol):
                                 transport: str = "broadcast", share: dict | None = None) -> None: ...
 
 
+class TeacherEngine(EngineInterface, Protocol):
+    """An engine that scores given tokens (a teacher of on-policy distillation, algorithm.distill):
+    the real engine only (simulated runs have no teacher)."""
+
+    async def score_tokens(self, token_ids: list[int], start: int, request_id: str) -> list[float]: ...
+
+
 class TrainerRankInterface(Protocol):
     """One rank of the trainer (asyncrl/trainer/trainer_rank.py); TrainerGroup calls every rank
     alike. The weight-broadcast methods act on rank 0 (the group's source); the others return."""
@@ -135,6 +143,7 @@ class RewardModelInterface(Protocol):
 # Ray actor handles, by the interface their `.remote` methods follow. A handle of the real engine
 # or rank also has the shared transports' methods; they are called only where a run chose one.
 EngineHandle = ActorHandle[EngineInterface]
+TeacherEngineHandle = ActorHandle[TeacherEngine]
 TrainerRankHandle = ActorHandle[TrainerRankInterface]
 QueueHandle = ActorHandle[QueueInterface]
 RewardModelHandle = ActorHandle[RewardModelInterface]

@@ -25,7 +25,9 @@ class Failure:
     row rejected at submit); loop_error, remote_error (a sample that could not be generated); reward_error,
     reward_timeout (a reward function that raised or hung: reward 0); reward_model_error,
     reward_model_timeout, judge_error, judge_timeout, judge_unparsable (the run's reward model or
-    judge failed, hung or answered what its parser cannot read, on a sample: reward 0)."""
+    judge failed, hung or answered what its parser cannot read, on a sample: reward 0);
+    teacher_error, teacher_timeout (the distillation teacher failed or hung on a sample: reward 0,
+    no distillation term)."""
 
     code: str
     detail: str = ""
@@ -235,7 +237,8 @@ class FaultEvent:
     """One fault the driver recovered from: what died, when it was seen, how long each phase of
     the recovery took, and what it cost (prompts started again, generated tokens thrown away)."""
 
-    # engine | rollout_worker | reward_model | judge | trainer | run (the run was stopped and resumed from a checkpoint)
+    # engine | rollout_worker | reward_model | judge | teacher | trainer | run (the run was stopped and
+    # resumed from a checkpoint)
     kind: str
     actor: str  # its dashboard name
     step: int  # the train step during which it was found

@@ -182,6 +182,8 @@ class Trajectory:
     # With routing replay: the engine's routes for positions 0.. of prompt + response, each kept
     # from the first forward that computed it (`RoutedExperts.extended`).
     routes: RoutedExperts | None = None
+    # On-policy distillation: the teacher's logprob of each response token (env tokens' too, unused)
+    teacher_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.status = TrajectoryStatus(self.status)

@@ -23,6 +23,7 @@ from asyncrl.interfaces import (
     RewardModelInterface,
     SharedWeightsEngine,
     SharedWeightsTrainerRank,
+    TeacherEngine,
     TrainerRankInterface,
 )
 from asyncrl.queue.message_queue import MessageQueue
@@ -35,7 +36,7 @@ from asyncrl.trainer.trainer_rank import TrainerRank
 # Each implementation and the Protocols it follows: the real engine and rank also carry the shared
 # weight-sync transports (a simulated run always broadcasts: test_a_simulated_run_always_broadcasts).
 FOLLOWS: dict[type, tuple[type, ...]] = {
-    EngineActor: (SharedWeightsEngine,),
+    EngineActor: (SharedWeightsEngine, TeacherEngine),
     SimEngine: (EngineInterface,),
     TrainerRank: (SharedWeightsTrainerRank,),
     SimTrainerRank: (TrainerRankInterface,),

@@ -231,3 +231,30 @@ def test_clipped_value_loss_by_hand():
     # a masked token counts nowhere
     out = value_loss(t(0.8, 0.3), t(0, 0), t(1, 1), t(0, 1), t(0.5, 0.5), value_clip=0.5)
     assert float(out.loss) == pytest.approx(0.5 * 0.245) and float(out.sums["value_clip_fraction"]) == 0
+
+
+def test_distillation_adds_the_teachers_log_ratio_to_each_trained_token():
+    # Group "a": rewards 1, 0 -> grpo advantages +-0.5 / (0.7071 + 1e-4); group "b": rewards 0, 0 (uniform:
+    # kept, the teacher still says something). coef 0.5; bonus = 0.5 * (teacher - mu) on trained tokens.
+    from asyncrl.config.schema import LossConfig as Loss
+    from asyncrl.trainer.batch import build_samples, pack
+    from asyncrl.types import Segment, Trajectory, TrajectoryGroup
+
+    def traj(name, reward, mu, teacher, env_tokens=0):
+        segments = [Segment.from_policy([3] * len(mu), mu, 0)]
+        if env_tokens:
+            segments.append(Segment.from_env([9] * env_tokens))
+        return Trajectory(name, name, [1, 2], segments, reward=reward, teacher_logprobs=teacher)
+
+    groups = [TrajectoryGroup("a", "a", [traj("a", 1.0, [-1.0, -2.0], [-0.5, -2.5, 0.0], env_tokens=1),
+                                         traj("a", 0.0, [-1.0], [-3.0])]),
+              TrajectoryGroup("b", "b", [traj("b", 0.0, [-1.0], None), traj("b", 0.0, [-2.0], [-1.0])])]
+    step = build_samples(groups, Loss(), "grpo", distill_coef=0.5)
+    assert len(step.samples) == 4 and step.stats["trajectories_without_teacher"] == 1
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    batch = pack(step.samples)
+    # sample 1: a + 0.5 * (-0.5 + 1) = a + 0.25, a + 0.5 * (-2.5 + 2) = a - 0.25, the env token a (mask 0)
+    # sample 2: -a + 0.5 * (-3 + 1) = -a - 1; sample 3 (no teacher): 0; sample 4: 0.5 * (-1 + 2) = 0.5
+    assert batch.advantages.tolist() == pytest.approx([a + 0.25, a - 0.25, a, -a - 1, 0.0, 0.5], rel=1e-5)
+    # reverse KL per trained token, mean(mu - teacher): (-0.5 + 0.5 + 2 - 1) / 4 = 0.25
+    assert step.stats["distill_reverse_kl"] == pytest.approx(0.25)

@@ -213,10 +213,13 @@ def test_a_checkpointed_group_resumed_by_another_worker_generates_what_it_lacked
         assert all(t.response_token_ids[:len(prefix)] == prefix for t in g.trajectories)
 
 
-def test_a_judge_on_a_real_engine_scores_every_sample_beside_the_task_scorer(cfg, engines, problems):
+def test_a_judge_and_a_teacher_on_real_engines_score_every_sample_beside_the_task_scorer(cfg, engines, problems):
     """reward.judge end to end on vLLM: one of the shared engines serves the judge (the arith model,
     asked with a template it continues with a number). Each sample's reward is the task's plus the
-    judge's parsed verdict, which equals what the engine answers that request alone, greedily."""
+    judge's parsed verdict, which equals what the engine answers that request alone, greedily.
+    The other serves a distillation teacher (algorithm.distill), the policy's own model: its logprob
+    of each sampled token is the one the policy sampled it with (one prefill against the decode
+    steps), and it leaves the reward alone."""
     import re
 
     from asyncrl.rollout.reward_client import JudgeClient
@@ -225,10 +228,12 @@ def test_a_judge_on_a_real_engine_scores_every_sample_beside_the_task_scorer(cfg
                              f"reward.judge.path={BASE_MODEL}", "reward.judge.parser=number",
                              "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.weight=0.5",
                              "reward.judge.max_new_tokens=16",
-                             "reward.judge.prompt_template='{response} {prompt}'"])
+                             "reward.judge.prompt_template='{response} {prompt}'",
+                             f"algorithm.distill.teacher_path={BASE_MODEL}"])
 
     async def go():
-        worker = RolloutWorker(0, WorkerSettings.of(judge_cfg), engines, agents_of(judge_cfg), judges=engines[:1])
+        worker = RolloutWorker(0, WorkerSettings.of(judge_cfg), engines, agents_of(judge_cfg), judges=engines[:1],
+                               teachers=engines[1:])
         await worker.submit(problems[:3], n=2)
         await worker.drain()
         return worker
@@ -247,4 +252,7 @@ def test_a_judge_on_a_real_engine_scores_every_sample_beside_the_task_scorer(cfg
             env = score_answer(problem, hooks.extract_answer(t.info["response"]))
             assert t.info["reward_metrics"] == {"env_reward": env, "judge": pytest.approx(verdict)}
             assert t.reward == pytest.approx(env + 0.5 * verdict)
-    assert worker.get_stats().reward_services["judge"][0] == 6 and worker.get_stats().failures == {}
+            assert len(t.teacher_logprobs) == t.num_response_tokens > 0
+            assert t.teacher_logprobs == pytest.approx(t.response_logprobs, abs=1e-4)
+    stats = worker.get_stats()
+    assert stats.reward_services["judge"][0] == stats.reward_services["teacher"][0] == 6 and stats.failures == {}

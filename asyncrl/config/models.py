@@ -125,6 +125,14 @@ def checkpoint_model_type(path: str) -> str | None:
         return None
 
 
+def vocab_size(path: str) -> int | None:
+    """The vocab_size in a checkpoint directory's config.json (None: not a readable local one)."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None
+
+
 def reward_model_problem(path: str) -> str | None:
     """Why the checkpoint at `path` cannot serve as a reward model (reward.model.path), in one line:
     it must be a sequence classifier with one output. None if it can (or is not a readable local one)."""

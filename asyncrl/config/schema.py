@@ -349,6 +349,17 @@ class CriticConfig:
 
 
 @dataclass
+class DistillConfig:
+    # On-policy distillation: a teacher on vLLM engines of its own (never trained) scores every
+    # token of each training sample; each trained token's advantage gains
+    # coef x (log teacher(token) - log mu(token)), minus the per-token reverse KL (docs/algorithms.md).
+    teacher_path: str = ""  # "" = no distillation; a causal LM with the policy's vocabulary
+    coef: float = 1.0
+    num_engines: int = 1
+    num_cpus_per_engine: float = 0.5
+
+
+@dataclass
 class AlgorithmConfig:
     n_samples_per_prompt: int = 8
     prompts_per_step: int = 32  # B
@@ -374,6 +385,7 @@ class AlgorithmConfig:
     advantage: str = "grpo"
     loss: LossConfig = field(default_factory=LossConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from asyncrl.config.models import checkpoint_model_type, reward_model_problem
+from asyncrl.config.models import checkpoint_model_type, reward_model_problem, vocab_size
 from asyncrl.config.schema import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -165,7 +165,8 @@ def _check_values(c: Config, problems: list[str]) -> None:
     problems += [_not_finite(key, value) for key, value in _floats("", c) if not math.isfinite(value)]
     checkers = _checkers(problems)
     for check in (_check_model, _check_run, _check_agents_or_data, _check_engine, _check_eval, _check_trainer,
-                  _check_algorithm, _check_rollout, _check_reward, _check_judge, _check_tools, _check_cluster):
+                  _check_algorithm, _check_rollout, _check_reward, _check_judge, _check_distill, _check_tools,
+                  _check_cluster):
         check(c, problems, *checkers)
     _check_across(c, problems, *checkers)
 
@@ -354,6 +355,25 @@ def _check_reward(c: Config, problems: list[str], need, at_least, one_of, within
     need(m.num_cpus_per_actor > 0, "reward.model.num_cpus_per_actor", m.num_cpus_per_actor, "must be > 0")
     within("reward.model.max_batch", m.max_batch, 1, 4096)
     within("reward.model.max_length", m.max_length, 8, 1 << 20, "tokens")
+
+
+def _check_distill(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    d, r = c.algorithm.distill, c.rollout
+    if not d.teacher_path:
+        return
+    _check_checkpoint_dir("algorithm.distill.teacher_path", d.teacher_path, problems)
+    within("algorithm.distill.num_engines", d.num_engines, 1, MAX_WORKERS)
+    need(d.num_cpus_per_engine > 0, "algorithm.distill.num_cpus_per_engine", d.num_cpus_per_engine, "must be > 0")
+    need(d.coef > 0, "algorithm.distill.coef", d.coef, "must be > 0 (no teacher: leave teacher_path empty)")
+    # the teacher's logprobs are at temperature 1 over the whole vocabulary: the student's must be too
+    need(r.temperature == 1 and r.top_p == 1, "rollout.temperature", r.temperature,
+         f"must be 1 with rollout.top_p=1 (is {r.top_p}) for on-policy distillation: the reverse KL compares "
+         "the distribution the student samples from with the teacher's")
+    need(c.algorithm.advantage != "gae", "algorithm.advantage", c.algorithm.advantage,
+         "gae with a distillation teacher is not built: use grpo, rloo or reinforce_pp")
+    student, teacher = vocab_size(c.model.path), vocab_size(d.teacher_path)
+    need(student is None or teacher is None or student == teacher, "algorithm.distill.teacher_path", d.teacher_path,
+         f"has vocab_size {teacher}, the policy {student}: the teacher scores the student's token ids")
 
 
 def _check_judge(c: Config, problems: list[str], need, at_least, one_of, within) -> None:

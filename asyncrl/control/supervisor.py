@@ -32,7 +32,7 @@ from asyncrl.messages import FaultEvent, PendingGroupState, ScaleEvent, error_li
 logger = logging.getLogger(__name__)
 
 # run.max_<key>_restarts of each kind of actor that is replaced, where the key is not the kind
-RESTART_KEYS = {"rollout_worker": "worker", "reward_model": "reward", "judge": "reward"}
+RESTART_KEYS = {"rollout_worker": "worker", "reward_model": "reward", "judge": "reward", "teacher": "reward"}
 
 
 class Supervisor:
@@ -48,7 +48,7 @@ class Supervisor:
         engines.on_dead = workers.on_dead = self.check_health
 
     def check_health(self) -> bool:
-        """Ask every engine, rollout worker and reward service (reward model replica, judge engine)
+        """Ask every engine, rollout worker and reward service (reward model replica, judge or teacher engine)
         whether it is alive (a hung one does not answer within run.health_timeout_s); replace the
         dead. Returns whether any was replaced."""
         timeout = self.run.health_timeout_s
@@ -58,7 +58,7 @@ class Supervisor:
         probes += [(name, i, a.health.remote()) for name, group in self.workers.services.items()
                    for i, a in enumerate(group)]
         ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
-        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}, "reward_model": {}, "judge": {}}
+        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}, **{n: {} for n in self.workers.services}}
         for kind, i, ref in probes:
             if ref not in ready:
                 dead[kind][i] = f"no answer to a health check within {timeout:g}s (run.health_timeout_s)"
@@ -69,7 +69,7 @@ class Supervisor:
                 dead[kind][i] = error_line(e)
         if dead["engine"]:
             self.replace_engines(dead["engine"])
-        for name in ("reward_model", "judge"):  # before the workers: a new worker gets the new service
+        for name in self.workers.services:  # before the workers: a new worker gets the new service
             for i, why in dead[name].items():
                 self._replace_reward_service(name, i, why)
         for i, why in dead["rollout_worker"].items():
@@ -116,8 +116,9 @@ class Supervisor:
         self.record(event)
 
     def _replace_reward_service(self, name: str, i: int, why: str) -> None:
-        """A new replica of the reward model, or engine of the judge; the samples the dead one was
-        scoring got reward 0 (counted as reward_model_error / judge_error), their prompts go on."""
+        """A new replica of the reward model, or engine of the judge or teacher; the samples the dead
+        one was scoring got reward 0 (counted as reward_model_error / judge_error / teacher_error),
+        their prompts go on."""
         self.count_restart(name, self.run.max_reward_restarts, why)
         actor = f"{name.replace('_', '-')}-{i}"
         event = FaultEvent(name, actor, self.step(), why)

@@ -23,15 +23,16 @@ from asyncrl.tasks import Problem
 class WorkerPool:
     def __init__(self, cfg: Config, queue: QueueHandle, engines: list[EngineHandle | None], slots: list | None,
                  restart: int = 0, reward_slots: dict[str, list] | None = None):
-        """Start the run's reward services (reward.model's replicas, reward.judge's engines, in
-        `reward_slots` by name) if it has them, then `rollout.num_workers` workers routing to
-        `engines` (None: a slot whose engine was removed), emitting to `queue`, in `slots` (their
-        placement-group bundles), scoring with the services too."""
+        """Start the run's reward services (reward.model's replicas, reward.judge's engines, the
+        distillation teacher's engines, in `reward_slots` by name) if it has them, then
+        `rollout.num_workers` workers routing to `engines` (None: a slot whose engine was removed),
+        emitting to `queue`, in `slots` (their placement-group bundles), scoring with the services too."""
         self.cfg, self.queue, self.slots = cfg, queue, slots
         self.reward_slots = reward_slots or {}
         self.services: dict[str, list] = {  # reward service -> its actors, by index
             "reward_model": actors.create_reward_models(cfg, self.reward_slots.get("reward_model")),
-            "judge": actors.create_judge_engines(cfg, self.reward_slots.get("judge"))}
+            **{name: actors.create_service_engines(cfg, name, self.reward_slots.get(name))
+               for name in ("judge", "teacher")}}
         self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart,
                                                      **self._services())
         self.last_stats: dict[int, WorkerStats] = {}  # each live worker's latest report
@@ -112,15 +113,16 @@ class WorkerPool:
             return []
 
     def _services(self) -> dict[str, list]:
-        return {"reward_models": list(self.services["reward_model"]), "judges": list(self.services["judge"])}
+        return {"reward_models": list(self.services["reward_model"]), "judges": list(self.services["judge"]),
+                "teachers": list(self.services["teacher"])}
 
     def replace_reward_service(self, name: str, index: int, restart: int) -> None:
-        """A new actor `index` of reward service `name` (the reward model's replica, or the judge's
-        engine; the old one killed), which every worker scores with from now on."""
+        """A new actor `index` of reward service `name` (the reward model's replica, the judge's or
+        the teacher's engine; the old one killed), which every worker scores with from now on."""
         kill(self.services[name][index])
         where = actors.slot(self.reward_slots.get(name), index)
-        if name == "judge":
-            new = actors.create_judge_engine(self.cfg, index, where, restart)
+        if name in ("judge", "teacher"):
+            new = actors.create_service_engine(self.cfg, name, index, where, restart)
             actors.start_engines([new])
         else:
             new = actors.create_reward_model(self.cfg, index, where, restart)
@@ -162,7 +164,7 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """The run is over: the workers and the reward services."""
-        for actor in [*self.handles, *self.services["reward_model"], *self.services["judge"]]:
+        for actor in [*self.handles, *(a for group in self.services.values() for a in group)]:
             kill(actor)
 
 

@@ -265,6 +265,32 @@ class EngineActor:
             routes = await self._routes(request_id, len(prompt_token_ids) + len(token_ids) - 1 if token_ids else 0)
         return GenerationResult(token_ids, logprobs, versions, finish_reason, routes)
 
+    async def score_tokens(self, token_ids: list[int], start: int, request_id: str) -> list[float]:
+        """The logprob of each token of `token_ids[start:]` given the tokens before it, under this
+        engine's model at temperature 1 (one prefill: vLLM's prompt logprobs; the teacher of on-policy
+        distillation). `start` >= 1: the first token has nothing before it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if not 1 <= start <= len(token_ids):
+            raise ValueError(f"score_tokens: start={start} for {len(token_ids)} tokens (must be in [1, len])")
+        if self._failed:
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}")
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        try:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+                final = out
+        except engine_dead_error():
+            self._fail("vLLM's engine core died")
+            raise EngineFailed(f"engine-{self.engine_id}: {self._failed}") from None
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError(f"engine-{self.engine_id}: no prompt logprobs for request {request_id}")
+        # [None, {token: Logprob}, ...]: position i holds token i's (its own id among them)
+        return [final.prompt_logprobs[i][token_ids[i]].logprob for i in range(start, len(token_ids))]
+
     async def _discard_routes(self, request_id: str) -> None:
         try:
             await self._llm.collective_rpc("asyncrl_pop_routes", args=(request_id,))

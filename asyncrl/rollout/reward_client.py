@@ -5,7 +5,10 @@ sample beside its env (docs/algorithms.md):
   sample sent to the replica with the fewest of this worker's requests outstanding;
 - a judge (`reward.judge`): a model on vLLM engines of its own, never trained, asked with the
   judge's prompt template through its own tokenizer (and chat template, where it has one); its
-  answer parsed into a score in [0, 1].
+  answer parsed into a score in [0, 1];
+- a teacher (`algorithm.distill`): a model on vLLM engines of its own, never trained, that gives
+  the logprob of each of the sample's tokens (`Trajectory.teacher_logprobs`): no score, the
+  trainer reads them (on-policy distillation).
 
 A sample's reward becomes
 
@@ -15,8 +18,9 @@ A sample's reward becomes
 (`info["reward_metrics"]` keeps every part). The services are asked at once, under
 rollout.reward_timeout_s; a timeout, a failing replica or engine, or a judge's answer the parser
 cannot read gives the sample reward 0 and a counted failure (`reward_model_timeout`,
-`reward_model_error`, `judge_timeout`, `judge_error`, `judge_unparsable`), as an env's own reward
-does. Held-out evaluations do not come here: they measure the envs' rewards.
+`reward_model_error`, `judge_timeout`, `judge_error`, `judge_unparsable`, `teacher_timeout`,
+`teacher_error`; a sample without the teacher's logprobs has no distillation term), as an env's
+own reward does. Held-out evaluations do not come here: they measure the envs' rewards.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 from asyncrl.agents.api import load_tokenizer
 from asyncrl.config.schema import JudgeConfig
-from asyncrl.interfaces import EngineHandle, RewardModelHandle
+from asyncrl.interfaces import EngineHandle, RewardModelHandle, TeacherEngineHandle
 from asyncrl.messages import Failure, RewardRequest, error_line
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
@@ -61,7 +65,8 @@ class RewardModelClient:
         """A dead replica's replacement (the supervisor's)."""
         self.replicas[index] = replica
 
-    async def score(self, problem: Problem, response: str) -> float:
+    async def score(self, problem: Problem, traj: Trajectory) -> float:
+        response = traj.info.get("response", "")
         i = min(range(len(self.replicas)), key=lambda k: self.outstanding[k])
         self.outstanding[i] += 1
         try:
@@ -108,7 +113,8 @@ class JudgeClient:
             return (clamped - j.min_score) / (j.max_score - j.min_score)
         raise ScoreFailed(Failure("judge_unparsable", f"{answer[:80]!r} ({j.parser})"))
 
-    async def score(self, problem: Problem, response: str) -> float:
+    async def score(self, problem: Problem, traj: Trajectory) -> float:
+        response = traj.info.get("response", "")
         try:
             result = await self.router.client().agenerate(self.prompt_ids(problem, response), self.sampling,
                                                           f"judge-{uuid.uuid4().hex}")
@@ -117,21 +123,48 @@ class JudgeClient:
         return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
 
 
-class RewardServices:
-    """The reward services a worker scores with, and their weights."""
+class TeacherClient:
+    name = "teacher"
 
-    def __init__(self, env_weight: float, timeout_s: float,
-                 services: list[tuple[RewardModelClient | JudgeClient, float]]):
+    def __init__(self, engines: list[TeacherEngineHandle]):
+        self.engines = engines
+        self.outstanding = [0] * len(engines)
+
+    def replace(self, index: int, engine: TeacherEngineHandle) -> None:
+        self.engines[index] = engine
+
+    async def score(self, problem: Problem, traj: Trajectory) -> None:
+        """The teacher's logprob of each response token, kept in `traj.teacher_logprobs`."""
+        i = min(range(len(self.engines)), key=lambda k: self.outstanding[k])
+        self.outstanding[i] += 1
+        tokens = list(traj.prompt_token_ids) + traj.response_token_ids
+        try:
+            traj.teacher_logprobs = await self.engines[i].score_tokens.remote(
+                tokens, len(traj.prompt_token_ids), f"teacher-{uuid.uuid4().hex}")
+        except Exception as e:  # a dead engine: no distillation term for this sample, the run goes on
+            raise ScoreFailed(Failure("teacher_error", error_line(e))) from None
+        finally:
+            self.outstanding[i] -= 1
+
+
+Client = RewardModelClient | JudgeClient | TeacherClient
+
+
+class RewardServices:
+    """The services a worker scores with, and their weights in the reward (None: the teacher's
+    logprobs are no score)."""
+
+    def __init__(self, env_weight: float, timeout_s: float, services: list[tuple[Client, float | None]]):
         self.env_weight, self.timeout_s, self.services = env_weight, timeout_s, services
         self.stats = {client.name: ServiceStats() for client, _ in services}
 
-    def client(self, name: str) -> RewardModelClient | JudgeClient | None:
+    def client(self, name: str) -> Client | None:
         return next((c for c, _ in self.services if c.name == name), None)
 
-    async def _timed(self, client: RewardModelClient | JudgeClient, problem: Problem, response: str) -> float:
+    async def _timed(self, client: Client, problem: Problem, traj: Trajectory) -> float | None:
         t0 = time.monotonic()
         try:
-            return await asyncio.wait_for(client.score(problem, response), self.timeout_s)
+            return await asyncio.wait_for(client.score(problem, traj), self.timeout_s)
         except asyncio.TimeoutError:
             raise ScoreFailed(Failure(f"{client.name}_timeout",
                                       f"> {self.timeout_s:g}s (rollout.reward_timeout_s)")) from None
@@ -141,8 +174,7 @@ class RewardServices:
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Add the services' scores to the env's reward of a finished sample; the failure, or None."""
-        response = traj.info.get("response", "")
-        answers = await asyncio.gather(*(self._timed(c, problem, response) for c, _ in self.services),
+        answers = await asyncio.gather(*(self._timed(c, problem, traj) for c, _ in self.services),
                                        return_exceptions=True)
         for answer in answers:
             if isinstance(answer, BaseException):
@@ -152,7 +184,8 @@ class RewardServices:
                 traj.info["reward_failure"] = str(failure)
                 return failure
         env = traj.reward
-        traj.reward = self.env_weight * env + sum(w * s for (_, w), s in zip(self.services, answers))
+        scores = [(c.name, w, s) for (c, w), s in zip(self.services, answers) if w is not None]
+        traj.reward = self.env_weight * env + sum(w * s for _, w, s in scores)
         traj.info["reward_metrics"] = {**traj.info.get("reward_metrics", {}), "env_reward": env,
-                                       **{c.name: s for (c, _), s in zip(self.services, answers)}}
+                                       **{name: s for name, _, s in scores}}
         return None

@@ -51,10 +51,10 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
-from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle
+from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle, TeacherEngineHandle
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
 from asyncrl.rollout.gateway import InferenceGateway
-from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices
+from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices, TeacherClient
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits, trajectory_problem
 from asyncrl.tasks import Problem
@@ -144,12 +144,14 @@ class RolloutWorker:
     def __init__(self, worker_id: int, settings: WorkerSettings, engines: list[EngineHandle | None],
                  agents: WeightedMultiTask | Callable[[], WeightedMultiTask], sink: QueueHandle | None = None,
                  sampling: SamplingSpec | None = None, inference: Callable[[], InferenceInterface] | None = None,
-                 reward_models: list[RewardModelHandle] | None = None, judges: list[EngineHandle] | None = None):
+                 reward_models: list[RewardModelHandle] | None = None, judges: list[EngineHandle] | None = None,
+                 teachers: list[TeacherEngineHandle] | None = None):
         """`engines`: EngineActor handles, routed by an `EngineRouter`. `agents`: built, or how to
         build them here (`agents_of`). `inference`: where each sample generates instead (called once
         per sample; tests give a scripted engine and no engines). `reward_models`, `judges`: the
         replicas of the run's reward model (reward.model) and its judge's engines (reward.judge), which
-        score every finished training sample too (asyncrl/rollout/reward_client.py)."""
+        score every finished training sample too (asyncrl/rollout/reward_client.py); `teachers`: the
+        engines of its distillation teacher (algorithm.distill), which give each its logprobs."""
         self.worker_id = worker_id
         self.settings = s = settings
         bind_this_process(s.cpu_cores)
@@ -162,7 +164,8 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(s.agents.tokenizer_path, s.agents.chat_template)  # the agents' too
         self.sampling = sampling or replace(s.agents.sampling)
         services = ([(RewardModelClient(list(reward_models)), s.reward.model.weight)] if reward_models else []) + \
-            ([(JudgeClient(list(judges), s.reward.judge), s.reward.judge.weight)] if judges else [])
+            ([(JudgeClient(list(judges), s.reward.judge), s.reward.judge.weight)] if judges else []) + \
+            ([(TeacherClient(list(teachers)), None)] if teachers else [])
         self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, services) if services else None
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
         self._slots = asyncio.Semaphore(s.max_concurrent_loops)
@@ -351,8 +354,8 @@ class RolloutWorker:
                        if self.rewards else {})
 
     def replace_reward_service(self, name: str, index: int, actor: RewardModelHandle | EngineHandle) -> None:
-        """Replica `index` of the reward model ("reward_model") or the judge's engine `index` ("judge")
-        died: its replacement."""
+        """Replica `index` of the reward model ("reward_model"), the judge's engine `index` ("judge") or
+        the teacher's ("teacher") died: its replacement."""
         if self.rewards is not None and (client := self.rewards.client(name)) is not None:
             client.replace(index, actor)
 

@@ -3,7 +3,8 @@
 1) `build_samples`: each usable trajectory becomes a `TrainSample` (prompt + response
    token ids exactly as the engine produced them, behaviour logprobs mu, loss mask,
    per-token versions) with its group-relative advantage (with `gae` the trainer computes
-   each token's from the critic's values later: the sample keeps its reward).
+   each token's from the critic's values later: the sample keeps its reward). On-policy
+   distillation adds coef x (teacher logprob - mu) to each trained token's advantage.
    Failed trajectories, (optionally) groups whose rewards are all equal and
    (optionally) truncated responses are left out and counted.
 2) `assign_weights` gives each token its aggregation weight within one optimizer
@@ -41,6 +42,8 @@ class TrainSample:
     versions: list[int]  # policy version of each response token (-1 for env tokens)
     advantage: float
     reward: float = 0.0  # the trajectory's reward (gae's advantages start from it)
+    # On-policy distillation: added to each response token's advantage, coef x (teacher - mu), 0 on env tokens
+    token_bonus: np.ndarray | None = None
     # Aggregation weight of each response token (set by `assign_weights`; they sum to 1 over a mini-batch).
     weights: list[float] = field(default_factory=list)
     # Routing replay: the engine's experts for the first positions of `tokens`, uint8 [n, layers, top_k].
@@ -58,25 +61,30 @@ class StepBatch:
     filtered: dict[str, str] = field(default_factory=dict)  # prompt id -> group_filter_reason
 
 
-def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, advantage: str = "grpo") -> str | None:
-    """Why a group gives no training signal ("no_usable", "uniform"), or None when it does. With
-    `gae` every usable sample has one (its values are its own baseline): groups of equal rewards too."""
+def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, per_token: bool = False) -> str | None:
+    """Why a group gives no training signal ("no_usable", "uniform"), or None when it does. With a
+    signal per token (`per_token`: gae's values, a distillation teacher) every usable sample has
+    one: groups of equal rewards too."""
     rewards = [t.reward for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
-    if len(rewards) < (1 if advantage == "gae" else 2):
+    if len(rewards) < (1 if per_token else 2):
         return "no_usable"
-    if loss.filter_uniform_groups and advantage != "gae" and is_uniform(rewards):
+    if loss.filter_uniform_groups and not per_token and is_uniform(rewards):
         return "uniform"
     return None
 
 
-def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: str = "grpo") -> StepBatch:
-    """The step's training samples, each with its advantage (`advantage`: algorithm.advantage)."""
+def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: str = "grpo",
+                  distill_coef: float = 0.0) -> StepBatch:
+    """The step's training samples, each with its advantage (`advantage`: algorithm.advantage;
+    `distill_coef`: algorithm.distill.coef with a teacher, else 0)."""
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
              "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
+    distill = _Distill(distill_coef, stats) if distill_coef else None
     rewards_all: list[float] = []
-    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss, advantage)) is not None}
+    per_token = advantage == "gae" or bool(distill_coef)
+    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss, per_token)) is not None}
     trained = [g for g in groups if g.prompt_id not in filtered]
     # REINFORCE++ normalises over every sample the step trains on
     batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
@@ -115,10 +123,36 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
             samples.append(TrainSample(
                 tokens=tokens, prompt_len=len(traj.prompt_token_ids),
                 mu=traj.response_logprobs, mask=mask, versions=traj.versions,
-                advantage=adv, reward=traj.reward, routes=routes[:len(tokens)] if routes is not None else None))
+                advantage=adv, reward=traj.reward, routes=routes[:len(tokens)] if routes is not None else None,
+                token_bonus=distill.bonus(traj) if distill is not None else None))
     stats["samples"] = len(samples)
+    if distill is not None:
+        distill.finish()
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
     return StepBatch(samples, stats, filtered)
+
+
+class _Distill:
+    """On-policy distillation's term of each sample (vector ops, no loop over tokens), and the
+    step's per-token reverse KL estimate mean(log mu - log teacher) over trained tokens."""
+
+    def __init__(self, coef: float, stats: dict[str, float]):
+        self.coef, self.stats = coef, stats
+        self.kl_sum, self.tokens = 0.0, 0
+        stats["trajectories_without_teacher"] = 0
+
+    def bonus(self, traj) -> np.ndarray | None:
+        if traj.teacher_logprobs is None or len(traj.teacher_logprobs) != traj.num_response_tokens:
+            self.stats["trajectories_without_teacher"] += 1  # its teacher failed: no distillation term
+            return None
+        mask = np.asarray(traj.loss_mask, dtype=np.float64)
+        gap = (np.asarray(traj.teacher_logprobs, dtype=np.float64) - np.asarray(traj.response_logprobs)) * mask
+        self.kl_sum -= float(gap.sum())
+        self.tokens += int(mask.sum())
+        return (self.coef * gap).astype(np.float32)
+
+    def finish(self) -> None:
+        self.stats["distill_reverse_kl"] = self.kl_sum / max(self.tokens, 1)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -248,13 +282,17 @@ def pack(samples: list[TrainSample], multiple: int = 1) -> PackedBatch:
         pos += range(pad)
         cu.append(len(ids))
     routes, routes_valid = _pack_routes(samples, len(ids))
+    advantages = torch.tensor(adv, dtype=torch.float32)
+    if any(s.token_bonus is not None for s in samples):
+        advantages += torch.from_numpy(np.concatenate([
+            s.token_bonus if s.token_bonus is not None else np.zeros(s.num_response, np.float32) for s in samples]))
     return PackedBatch(
         input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_seqlen=max([len(s.tokens) for s in samples] + [pad]),
         logit_index=torch.tensor(logit_index), targets=torch.tensor(targets),
         mu=torch.tensor(mu, dtype=torch.float32), mask=torch.tensor(mask, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32), weights=torch.tensor(weights, dtype=torch.float32),
+        advantages=advantages, weights=torch.tensor(weights, dtype=torch.float32),
         versions=torch.tensor(versions), seq_index=torch.tensor(seq_index),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32), routes=routes,
         routes_valid=routes_valid)

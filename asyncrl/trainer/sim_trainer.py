@@ -75,7 +75,8 @@ class SimTrainerRank:
 
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         t0 = self.clock.now()
-        batch = build_samples(groups, self.cfg.algorithm.loss, self.cfg.algorithm.advantage)
+        a = self.cfg.algorithm
+        batch = build_samples(groups, a.loss, a.advantage, a.distill.coef if a.distill.teacher_path else 0.0)
         prompt, block = self.cfg.sim_engine.prompt_tokens, self.cfg.sim_engine.token_block
         tokens = sum((prompt or s.prompt_len) + s.num_response * block for s in batch.samples)
         trained = sum(sum(s.mask) for s in batch.samples)
