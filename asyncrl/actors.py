@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
 from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec
+
+logger = logging.getLogger(__name__)
 
 Options = dict[str, Any]  # extra Ray actor options (a placement-group bundle)
 # Handles of the actors with one implementation (the others': asyncrl.interfaces).
@@ -362,8 +365,14 @@ def create_service_engines(cfg: Config, name: str, slots: list[Options] | None =
     if not path:
         return []
     engines = [create_service_engine(cfg, name, i, slot(slots, i)) for i in range(n)]
-    start_engines(engines)
+    for i, info in enumerate(start_engines(engines)):
+        log_service_engine(name, i, info)
     return engines
+
+
+def log_service_engine(name: str, index: int, info: EngineStartInfo) -> None:
+    logger.info("%s-%d: started in %.0fs, %.2f GiB resident, pid %d", name, index, info.start_s, info.rss_gib,
+                info.pid)
 
 
 def create_reward_models(cfg: Config, slots: list[Options] | None = None) -> list[RewardModelHandle]:

@@ -168,7 +168,7 @@ class Driver:
         self.step += 1
         step = self.step
         t_wait = self.clock.now()
-        groups, stale = self.prompts.batch(self.version, self.supervisor.check_health)
+        groups, stale = self.prompts.batch(self.version, self._check_health)
         waited = self.clock.now() - t_wait
         result = self.trainer.train_step(groups, self.version)
         if result.staleness_max > cfg.algorithm.max_staleness:
@@ -247,17 +247,31 @@ class Driver:
             metrics["sync/resumed_loops"] = self.workers.resume_interrupted()
         return metrics
 
-    def _newest_policy_to_engines(self) -> None:
-        """With algorithm.policy_lag the engines hold an older policy than the trainer: the final
-        evaluation is of the trainer's (the policy the run trained)."""
-        if self.engine_version == self.version:
-            return
+    def _check_health(self) -> None:
+        """The supervisor's health check while the step waits for groups; then, if the engines the
+        workers route to all died and only their replacements live (replaced between syncs, e.g. at
+        a checkpoint), the replacements get the policy and the routing now: no group would come
+        before a sync, and no sync before a step."""
+        self.supervisor.check_health()
+        if self.engines.only_unrouted():
+            logger.warning("no engine the workers route to is alive: the replacements get policy version %d now",
+                           self.version)
+            self._policy_to_engines(self.version)
+            self.engines.route_joined(self.workers, self.version)
+
+    def _policy_to_engines(self, version: int) -> None:
         mode = self.cfg.algorithm.pause_mode
         if mode == "abort":
             self.workers.interrupt()
-        self.engine_version = self.engines.sync.sync(self.version, mode, newest=True).engine_version
+        self.engine_version = self.engines.sync.sync(version, mode, newest=True).engine_version
         if mode == "abort":
             self.workers.resume_interrupted()
+
+    def _newest_policy_to_engines(self) -> None:
+        """With algorithm.policy_lag the engines hold an older policy than the trainer: the final
+        evaluation is of the trainer's (the policy the run trained)."""
+        if self.engine_version != self.version:
+            self._policy_to_engines(self.version)
 
     def _restart_trainer(self, why: str) -> None:
         """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the whole

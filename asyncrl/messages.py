@@ -58,6 +58,7 @@ class EngineStartInfo:
     vllm_processes: list[str]  # by title: VLLM::EngineCore, VLLM::Worker...
     model_in_engine_core: bool
     plain_weights: bool  # vLLM-CPU linear weights kept unpacked (engine.cpu_prepack_weights=false)
+    pid: int = 0  # the actor's process (logged for the served models' engines: the faults bench finds them so)
 
 
 @dataclass(frozen=True)

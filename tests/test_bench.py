@@ -139,9 +139,10 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
 @pytest.mark.alone
 def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path, base_model, reward_model):
     """One run loses its engine's vLLM core (its loops wait for the replacement: there is no other
-    engine), its rollout worker, its reward model's replica and its trainer rank (SIGKILL), then is
-    killed whole and resumed from its newest checkpoint. It is the end-to-end run of a reward model
-    served beside the env's reward (reward.model: its score weighted in every training sample).
+    engine), its rollout worker, its reward model's replica, its judge's engine and its trainer rank
+    (SIGKILL), then is killed whole and resumed from its newest checkpoint. It is the end-to-end run
+    of a reward model and a judge served beside the env's reward (reward.model, reward.judge: their
+    scores weighted in every training sample; the judge is the arith model continuing a number).
     One of each actor keeps the suite's time (the bench's default is 2 engines and 2 workers;
     tests/test_channel.py moves a worker's requests to a live engine). It is also the end-to-end
     run of the `keep` mode (tests/test_train_e2e.py): eta = 2, requests that outlive a weight sync,
@@ -150,13 +151,17 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
                   "engine.num_engines=1", "rollout.num_workers=1",
                   "eval.every_steps=0", "bench.fault_steps=[2,3,5,9]", "bench.checkpoint_every=4",
                   f"reward.model.path={reward_model}", "reward.model.weight=0.5", "bench.reward_model_fault_step=4",
-                  "reward.model.num_cpus_per_actor=0.25", "trainer.num_cpus_per_rank=0.75",  # 2 CPUs in all
+                  f"reward.judge.path={base_model}", "reward.judge.weight=0.1", "reward.judge.parser=number",
+                  "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.max_new_tokens=16",
+                  "reward.judge.prompt_template='{response} {prompt}'", "bench.judge_fault_step=6",
+                  "reward.model.num_cpus_per_actor=0.25", "reward.judge.num_cpus_per_engine=0.25",
+                  "trainer.num_cpus_per_rank=0.75",  # 2 CPUs in all
                   f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:] + (tmp_path / "train.log").read_text()[-6000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "faults" and result["faults_injected"] == result["faults_survived"] == 5
+    assert result["bench"] == "faults" and result["faults_injected"] == result["faults_survived"] == 6
     assert result["prompts_lost"] == result["prompts_trained_twice"] == result["staleness_violations"] == 0
-    assert set(result["recovery_s"]) == {"engine", "rollout_worker", "reward_model", "trainer", "run"}
+    assert set(result["recovery_s"]) == {"engine", "rollout_worker", "reward_model", "judge", "trainer", "run"}
     assert all(0 < s < 300 for s in result["recovery_s"].values())
     # the trainer's restart and the resume continue the checkpoint's loops from their snapshots
     assert result["loops_resumed"]["trainer"] > 0 and result["loops_resumed"]["run"] > 0
@@ -168,11 +173,12 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     summary = check_run(tmp_path / "run", eta=2, steps=12, plots=True, faults=True)
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
-    assert sorted(events) == ["engine", "reward_model", "rollout_worker", "run", "trainer"]
-    # every training sample was scored by the reward model too, its score weighted beside the env's
-    scored = [r for r in read_metrics(tmp_path / "run") if r.get("reward_model/samples")]
-    assert len(scored) >= 10 and all(r["reward_model/latency_s"] > 0 for r in scored)
-    assert max(r["reward_model/samples"] for r in scored) >= 4 * 16  # (totals restart with the resumed process)
+    assert sorted(events) == ["engine", "judge", "reward_model", "rollout_worker", "run", "trainer"]
+    # every training sample was scored by the reward model and the judge too, their scores weighted beside the env's
+    for service in ("reward_model", "judge"):
+        scored = [r for r in read_metrics(tmp_path / "run") if r.get(f"{service}/samples")]
+        assert len(scored) >= 10 and all(r[f"{service}/latency_s"] > 0 for r in scored)
+        assert max(r[f"{service}/samples"] for r in scored) >= 4 * 16  # (totals restart with the resumed process)
 
 
 def test_the_staleness_grid_holds_each_staleness_exactly_and_shares_the_synchronous_run():

@@ -10,9 +10,11 @@ every `bench.checkpoint_every` steps (unless the overrides say otherwise). The b
 metrics.jsonl: once step `fault_steps[0]` is logged it kills one engine's vLLM engine core, at
 `fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, at
 `bench.reward_model_fault_step` (when set, with reward.model.path) a replica of the reward model,
-and at `fault_steps[3]` the whole run (the trainer step must come after a checkpoint, the whole-run kill too: a trainer
-restart goes back to the newest checkpoint). A rollout worker's or trainer's fault is recovered
-from before the next fault is injected; an engine's replacement starts while the run goes on, and
+at `bench.judge_fault_step` (when set, with reward.judge.path) the vLLM core of the judge's engine 0
+(found by the pid the run logs when it starts the engine), and at `fault_steps[3]` the whole run
+(the trainer step must come after a checkpoint, the whole-run kill too: a trainer restart goes
+back to the newest checkpoint). A rollout worker's, reward model's, judge's or trainer's fault is
+recovered from before the next fault is injected; an engine's replacement starts while the run goes on, and
 the whole-run kill waits for it. The processes are found by an environment tag that every process
 of the run inherits. Then the bench resumes the run in the same directory and lets it finish.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,7 +48,7 @@ from asyncrl.monitoring.run_log import read_metrics
 TAG_ENV = "ASYNCRL_FAULTS_BENCH"
 # The processes each fault kills, by what their command line shows.
 VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank",
-           "reward_model": "ray::RewardModelActor"}
+           "reward_model": "ray::RewardModelActor", "judge": "VLLM::EngineCore of judge-0"}
 KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 
@@ -107,6 +110,23 @@ def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV,
         time.sleep(0.5)
 
 
+def logged_pid(logs: Path, actor: str) -> int:
+    """The process of the served model's engine `actor` (e.g. "judge-0"), as the run last logged it
+    (asyncrl.actors.log_service_engine)."""
+    found = re.findall(rf"{re.escape(actor)}: started in .*, pid (\d+)", logs.read_text())
+    if not found:
+        raise RuntimeError(f"the run logged no start of {actor} in {logs}")
+    return int(found[-1])
+
+
+def kill_engine_core(pid: int) -> None:
+    """SIGKILL the vLLM engine core under the engine actor `pid` (the actor itself if it has none)."""
+    parent = psutil.Process(pid)
+    cores = [c for c in parent.children(recursive=True) if VICTIMS["engine"] in " ".join(c.cmdline())]
+    for p in cores or [parent]:
+        p.send_signal(signal.SIGKILL)
+
+
 def _last_step(run_dir: Path) -> int:
     steps = [r["step"] for r in read_metrics(run_dir) if "train/loss" in r] if (run_dir / "metrics.jsonl").exists() \
         else []
@@ -147,6 +167,10 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         if not cfg.reward.model.path:
             raise ValueError("bench.reward_model_fault_step needs a reward model (reward.model.path)")
         plan = dict(sorted({**plan, "reward_model": bench.reward_model_fault_step}.items(), key=lambda kv: kv[1]))
+    if bench.judge_fault_step:  # the judge's engine 0, likewise
+        if not cfg.reward.judge.path:
+            raise ValueError("bench.judge_fault_step needs a judge (reward.judge.path)")
+        plan = dict(sorted({**plan, "judge": bench.judge_fault_step}.items(), key=lambda kv: kv[1]))
     injected: dict[str, dict[str, Any]] = {}
     logs = root / "train.log"
     root.mkdir(parents=True, exist_ok=True)
@@ -167,7 +191,10 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                     kill_all(tag, roots=(proc.pid,))  # the driver and every process under it, at once
                     break
                 seen = len(_events(run_dir, kind))
-                kill_one(tag, kind, roots=(proc.pid,))
+                if kind == "judge":
+                    kill_engine_core(logged_pid(logs, "judge-0"))
+                else:
+                    kill_one(tag, kind, roots=(proc.pid,))
                 injected[kind] = {"step": _last_step(run_dir), "recoveries_before": seen}
                 print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
                       flush=True)

@@ -216,6 +216,12 @@ class EnginePool:
             done.append(event)
         return done
 
+    def only_unrouted(self) -> bool:
+        """Every live engine is a replacement no worker routes to yet (the engines the workers know
+        all died): nothing generates until a sync gives the replacements the policy."""
+        live = [i for i, e in enumerate(self.engines) if e is not None and i not in self.starting]
+        return bool(live) and all(self.routed[i] is not self.engines[i] for i in live)
+
     def route_joined(self, workers: WorkerPool, version: int) -> None:
         """After a sync every engine holds the policy: replacements join the workers' routing."""
         for i, engine in enumerate(self.engines):

@@ -123,7 +123,7 @@ class WorkerPool:
         where = actors.slot(self.reward_slots.get(name), index)
         if name in ("judge", "teacher"):
             new = actors.create_service_engine(self.cfg, name, index, where, restart)
-            actors.start_engines([new])
+            actors.log_service_engine(name, index, actors.start_engines([new])[0])
         else:
             new = actors.create_reward_model(self.cfg, index, where, restart)
             ray.get(new.health.remote())  # loaded

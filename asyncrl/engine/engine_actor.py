@@ -145,7 +145,7 @@ class EngineActor:
         parents = await self._llm.collective_rpc("asyncrl_parent_pid")
         info = EngineStartInfo(start_s=time.monotonic() - t0, rss_gib=tree_rss_gib(tree), cpu_cores=tree_cores(tree),
                                vllm_processes=vllm_processes(tree), model_in_engine_core=parents == [os.getpid()],
-                               plain_weights=plain)
+                               plain_weights=plain, pid=os.getpid())
         logger.info("engine-%d started in %.1fs, %.2f GiB resident (vLLM %s on %s, cores %s)", self.engine_id,
                     info.start_s, info.rss_gib, kwargs["dtype"], self.device, info.cpu_cores)
         return info
