@@ -66,7 +66,7 @@ def eval_result(e: EvalConfig, model: str, responses: list[EvaluationResponse], 
     pooled = EvaluationResponse("train", [r for resp in responses if resp.env_id in train_envs
                                           for r in resp.results], pass_k, e.temperature)
     m = pooled.metrics()
-    n = min((len(r.sampled_rewards) for r in pooled.results), default=0)
+    n = min((len(r.sampled_rewards) for r in pooled.results if r.sampled_rewards), default=0)
     return EvalResult(
         model=model, num_problems=len(pooled.results), greedy_accuracy=m.get("greedy_accuracy", 0.0),
         pass_at_k={k: m[f"pass@{k}"] for k in pass_k if f"pass@{k}" in m}, n_samples=n,
@@ -88,13 +88,15 @@ class PendingEvaluation:
     training: each worker sends at most eval.max_concurrent of its requests at once)."""
 
     def __init__(self, e: EvalConfig, workers: list, problems: list[Problem], with_pass_k: bool = True,
-                 beside_training: bool = False):
+                 beside_training: bool = False, greedy_only: list[Problem] | None = None):
+        """`problems`: greedily and (`with_pass_k`) eval.n_samples times each; `greedy_only`: greedily."""
         self.eval, self.t0 = e, time.time()
-        n = e.n_samples if with_pass_k else 0
         limit = e.max_concurrent if beside_training else 0
-        shares = [problems[i::len(workers)] for i in range(len(workers))]
-        self.refs = [w.evaluate.remote(share, n, e.temperature, list(e.pass_k), limit)
-                     for w, share in zip(workers, shares) if share]
+        self.refs = []
+        for part, n in ((problems, e.n_samples if with_pass_k else 0), (greedy_only or [], 0)):
+            shares = [part[i::len(workers)] for i in range(len(workers))]
+            self.refs += [w.evaluate.remote(share, n, e.temperature, list(e.pass_k), limit)
+                          for w, share in zip(workers, shares) if share]
 
     def result(self, agents: WeightedMultiTask, block: bool = False) -> EvalResult | None:
         """The result once every worker answered (`block`: wait for it); None while it runs."""

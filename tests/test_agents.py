@@ -32,6 +32,13 @@ def test_evaluation_metrics_are_the_unbiased_estimator_over_problems():
     assert "pass@8" not in m  # k above the samples collected
     assert m["mean_reward"] == pytest.approx((2.5 + 0 + 4) / 12)
     assert EvaluationResponse.from_dict(json.loads(json.dumps(resp.to_dict()))).metrics() == m
+    # two more problems evaluated greedily only (eval.periodic_pass_k_problems): in the greedy
+    # accuracy (3 right of 5), not in pass@k or the mean reward (still those of the 3 sampled)
+    resp.results += [result(1.0, []), result(0.0, [])]
+    both = resp.metrics()
+    assert both["greedy_accuracy"] == pytest.approx(3 / 5) and both["num_problems"] == 5
+    assert both["num_problems_sampled"] == 3
+    assert all(both[k] == m[k] for k in ("pass@1", "pass@2", "mean_reward"))
 
 
 def test_allocation_by_largest_remainder_with_at_least_one_group_each():

@@ -104,3 +104,20 @@ def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
     assert str(e.value) == ("rollout worker failed (ActorDiedError: killed again) after 1 replacement(s): "
                             "run.max_worker_restarts=1 reached")
     assert supervisor.restarts == {"rollout_worker": 1}
+
+
+def test_replacements_that_no_worker_routes_to_and_no_routed_engine_alive_are_seen():
+    """EnginePool.only_unrouted: the driver gives such replacements the policy at once (the engines
+    the workers knew all died between syncs: no group would come, so no step and no sync)."""
+    from asyncrl.control.engine_pool import EnginePool
+
+    old, new, other = object(), object(), object()
+    pool = object.__new__(EnginePool)  # its bookkeeping only: no actor is started
+    pool.engines, pool.routed, pool.starting = [new], [old], {}
+    assert pool.only_unrouted()  # the only engine is a replacement the workers do not route to
+    pool.routed = [new]
+    assert not pool.only_unrouted()
+    pool.engines, pool.routed = [new, other], [old, other]
+    assert not pool.only_unrouted()  # another engine still serves: the next sync routes the replacement
+    pool.engines, pool.routed, pool.starting = [new], [old], {0: None}
+    assert not pool.only_unrouted()  # still starting: nothing to give the policy to yet

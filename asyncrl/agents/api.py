@@ -183,20 +183,24 @@ class EvaluationResponse:
 
     def metrics(self) -> dict[str, float]:
         """Greedy accuracy, unbiased pass@k (a sample is correct only at reward 1.0), mean sampled
-        reward and response length. pass@k is left out for k above the samples collected."""
+        reward and response length. pass@k and the mean reward are over the problems that were
+        sampled (`num_problems_sampled`: the others were evaluated greedily only); pass@k is left
+        out for k above the samples collected."""
         rs = self.results
         if not rs:
             return {"num_problems": 0}
-        n = min(len(r.sampled_rewards) for r in rs)
+        sampled = [r for r in rs if r.sampled_rewards]
+        n = min((len(r.sampled_rewards) for r in sampled), default=0)
         out = {"num_problems": len(rs), "greedy_accuracy": sum(r.greedy_reward >= 1.0 for r in rs) / len(rs),
                "mean_response_tokens": sum(sum(r.response_tokens) for r in rs)
                / max(1, sum(len(r.response_tokens) for r in rs))}
         if n:
-            out["mean_reward"] = sum(sum(r.sampled_rewards[:n]) for r in rs) / (n * len(rs))
+            out["num_problems_sampled"] = len(sampled)
+            out["mean_reward"] = sum(sum(r.sampled_rewards[:n]) for r in sampled) / (n * len(sampled))
             for k in self.pass_k:
                 if k <= n:
                     out[f"pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r.sampled_rewards[:n]), k)
-                                           for r in rs) / len(rs)
+                                           for r in sampled) / len(sampled)
         return out
 
     def to_dict(self) -> dict[str, Any]:

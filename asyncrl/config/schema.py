@@ -543,6 +543,10 @@ class EvalConfig:
     # Evaluations during training take the first this many held-out problems of each env (0: all
     # num_problems); the base and final evaluations take num_problems.
     periodic_num_problems: int = 100
+    # ... of which the first this many of each env are sampled for pass@k (the others greedily
+    # only): sampling costs n_samples requests a problem, and beside training the engines' work
+    # for an evaluation is taken from the rollouts' (docs/evaluation.md). 0: all of them.
+    periodic_pass_k_problems: int = 20
     # Evaluations during training run on the engines beside the rollouts (the trainer goes on; the
     # result is logged at the step it arrives), each worker sending at most `max_concurrent` of
     # their requests at once. The engines keep the evaluated policy until the evaluation ends:

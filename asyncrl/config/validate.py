@@ -234,6 +234,7 @@ def _check_eval(c: Config, problems: list[str], need, at_least, one_of, within) 
     at_least("eval.max_deferred_syncs", v.max_deferred_syncs, 0, "0: training waits for an evaluation "
              "at the next weight sync")
     at_least("eval.periodic_num_problems", v.periodic_num_problems, 0, "0: eval.num_problems")
+    at_least("eval.periodic_pass_k_problems", v.periodic_pass_k_problems, 0, "0: all the periodic problems")
     need(not v.adapter or os.path.isfile(os.path.join(v.adapter, "adapter_config.json")),
          "eval.adapter", v.adapter, "not a PEFT adapter directory (no adapter_config.json)")
     at_least("eval.every_steps", v.every_steps, 0, "0: only before and after training")

@@ -7,8 +7,10 @@ started: until it ends the driver defers the engines' weight syncs (`before_sync
 trains on, as with `algorithm.sync_every_steps` > 1), at most `eval.max_deferred_syncs` in a row,
 after which training waits for it there. Its result is logged at the step it arrives, with the
 versions its samples carry (`eval/sample_versions`: the one it is labelled with). It takes the
-first `eval.periodic_num_problems` held-out problems of each env, so that it ends within a few
-steps; the final evaluation takes all `eval.num_problems`. An evaluation due while another runs
+first `eval.periodic_num_problems` held-out problems of each env, and samples the first
+`eval.periodic_pass_k_problems` of them for pass@k (the others greedily only), so that it ends
+within a few steps and takes little of the rollouts' share of the engines; the final evaluation
+takes all `eval.num_problems`, each sampled. An evaluation due while another runs
 is skipped and counted (`eval/skipped`). Otherwise (`beside_training=false`) training waits for
 each evaluation.
 """
@@ -32,7 +34,12 @@ logger = logging.getLogger(__name__)
 
 class PeriodicEvaluation:
     def __init__(self, e: EvalConfig, total_steps: int, agents: WeightedMultiTask, problems: list[Problem]):
-        self.eval, self.total_steps, self.agents, self.problems = e, total_steps, agents, problems
+        self.eval, self.total_steps, self.agents = e, total_steps, agents
+        # pass@k on the first eval.periodic_pass_k_problems of each env's, the others greedily only
+        first = {p.prompt_id for p in agents.heldout(e.periodic_pass_k_problems)} if e.periodic_pass_k_problems \
+            else {p.prompt_id for p in problems}
+        self.sampled = [p for p in problems if p.prompt_id in first]
+        self.greedy_only = [p for p in problems if p.prompt_id not in first]
         self.running: tuple[PendingEvaluation, int, int] | None = None  # with the version and step it started at
         self.skipped = 0  # evaluations due while another ran
         self.syncs_deferred = 0  # weight syncs held back so far for evaluations to end (a checkpoint keeps it)
@@ -69,8 +76,9 @@ class PeriodicEvaluation:
             logger.warning("step %d: the evaluation of step %d still runs; this one is skipped (%d so far)", step,
                            self.running[2], self.skipped)
         elif due:
-            self.running = (PendingEvaluation(e, workers, self.problems, e.periodic_pass_k,
-                                              beside_training=e.beside_training), version, step)
+            self.running = (PendingEvaluation(e, workers, self.sampled, e.periodic_pass_k,
+                                              beside_training=e.beside_training, greedy_only=self.greedy_only),
+                            version, step)
         return {**skipped, **self._collect(workers, version, block or not e.beside_training)}
 
     def release_held(self) -> bool:

@@ -4,13 +4,15 @@ The critic is the backbone of `algorithm.critic.path` (default: the policy's che
 megatron GPTModel of its own (its own bridge and config, DDP, Adam) whose output layer is a
 scalar head (`ValueHead`, zeros at the start). It shares the policy's ranks and parallel groups:
 tensor parallel like the policy, data parallel over the same shares; pipeline stages are not
-built (validation refuses them).
+built (validation refuses them). It costs a second model, its gradients and its Adam state on
+every rank, and a forward pass and a backward pass of it per step.
 
 In a step (`TrainerRank.train_step`):
   1) `prepare`: before any update, the critic's values V of every trained token of the step's
      packed micro-batches (V_t: the hidden state that predicts token t, as the policy's logits);
      GAE from them and each sample's reward (asyncrl.algorithm.advantages.gae) gives each token's
-     advantage (whitened over the step's tokens of every data-parallel rank) and return;
+     advantage (whitened over the step's tokens of every data-parallel rank, with
+     algorithm.loss.normalize_adv_std) and return;
   2) the policy's updates read those advantages;
   3) `train`: the critic's updates, one per policy update on the same micro-batches, with the
      clipped value loss (asyncrl.algorithm.losses.value_loss) against the returns.
@@ -79,6 +81,7 @@ class Critic:
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
         self.path = self.cfg.path or settings.model.path
         self.lr = self.cfg.lr or settings.trainer.lr
+        self.whiten = settings.algorithm.loss.normalize_adv_std  # the advantages, over the step's tokens
         # a bridge of its own: megatron keeps the schedule's hooks (DDP's, the loss scale) in the
         # model's config object, which the policy's bridge shares with the policy
         bridge = load_bridge(self.path, dtype, use_te=use_te, cpu=device.type == "cpu",
@@ -132,9 +135,10 @@ class Critic:
         n = max(n, 1.0)
         a_mean = a_sum / n
         a_std = max((a_sq - n * a_mean ** 2) / max(n - 1, 1.0), 0.0) ** 0.5
-        for b in batches:
-            trained = b.mask > 0
-            b.advantages[trained] = ((b.advantages[trained] - a_mean) / (a_std + EPS)).float()
+        if self.whiten:
+            for b in batches:
+                trained = b.mask > 0
+                b.advantages[trained] = ((b.advantages[trained] - a_mean) / (a_std + EPS)).float()
         var_g = g_sq / n - (g_sum / n) ** 2
         var_e = e_sq / n - (e_sum / n) ** 2
         return {"critic/values_mean": v_sum / n, "critic/returns_mean": g_sum / n,
