@@ -44,14 +44,16 @@ def command(arm: str, staleness: int, steps: int, out: Path) -> list[str]:
 
 
 def figures(run_dir: Path, wall_s: float | None) -> dict:
-    """Accuracy before, at each evaluation beside training (by the version it measured), at the end."""
+    """Accuracy before, at each evaluation beside training (by the step it started at; it measured
+    one policy version, which trails the step by the syncs deferred for evaluations), at the end."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    curve = {int(r["eval/policy_version"]): r["eval/greedy_accuracy"] for r in records
-             if "eval/greedy_accuracy" in r and "eval/policy_version" in r}
+    curve = {int(r["eval/started_step"]): r["eval/greedy_accuracy"] for r in records if "eval/started_step" in r}
     staleness = [r["train/staleness_mean"] for r in records if "train/staleness_mean" in r]
+    train_s = [r["progress/train_s"] for r in records if "progress/train_s" in r]
     return {"base": summary["base_accuracy"], "curve": dict(sorted(curve.items())), "final": summary["final_accuracy"],
-            "steps": summary["steps"], "staleness_mean": sum(staleness) / max(len(staleness), 1), "wall_s": wall_s}
+            "steps": summary["steps"], "staleness_mean": sum(staleness) / max(len(staleness), 1),
+            "train_s": train_s[-1] if train_s else None, "wall_s": wall_s}
 
 
 def main() -> None:
@@ -76,16 +78,19 @@ def main() -> None:
                     continue
                 wall = time.monotonic() - t0
             results[f"{arm}_s{s}"] = figures(out, wall)
-    print("| arm | staleness | base | " + " | ".join(f"step {v}" for v in _versions(results)) + " | final |")
-    print("|---|---|---|" + "---|" * len(_versions(results)) + "---|")
+    steps = _steps(results)
+    print("| arm | staleness | mean staleness | base | " + " | ".join(f"step {v}" for v in steps)
+          + " | final | training s |")
+    print("|---|---:|---:|---:|" + "---:|" * len(steps) + "---:|---:|")
     for name, r in results.items():
         arm, s = name.rsplit("_s", 1)
-        cells = [f"{100 * r['curve'][v]:.1f}" if v in r["curve"] else "" for v in _versions(results)]
-        print(f"| {arm} | {s} | {100 * r['base']:.1f} | " + " | ".join(cells) + f" | {100 * r['final']:.1f} |")
+        cells = [f"{100 * r['curve'][v]:.1f}" if v in r["curve"] else "" for v in steps]
+        print(f"| {arm} | {s} | {r['staleness_mean']:.2f} | {100 * r['base']:.1f} | " + " | ".join(cells)
+              + f" | {100 * r['final']:.1f} | {r['train_s'] or 0:.0f} |")
     print(json.dumps(results))
 
 
-def _versions(results: dict) -> list[int]:
+def _steps(results: dict) -> list[int]:
     return sorted({v for r in results.values() for v in r["curve"]})
 
 

@@ -126,6 +126,13 @@ def test_the_services_scores_are_weighed_beside_the_env_s_and_their_failures_cou
     with pytest.raises(ScoreFailed) as e:
         judge.parse("maybe")
     assert str(e.value.failure) == "judge_unparsable: 'maybe' (yes_no)"
+    judge.judge = JudgeConfig(parser="match")  # the judge's own answer against the response's last number
+    assert [judge.parse(a, "-5 + 2 = -3 Answer: -3") for a in ("Answer: -3", " -3.0", "Answer: 3",
+                                                                "-5 + 2 = -3 Answer: -3")] == [1, 1, 0, 1]
+    assert judge.parse("Answer: 4", "no number") == 0.0
+    with pytest.raises(ScoreFailed):
+        judge.parse("Answer: none", "Answer: 4")
+    judge.judge = JudgeConfig(parser="yes_no")
     # 0.5 x 1.0 (env) + 2.0 x 0.25 (model) + 1.0 x 1.0 (judge: "yes") = 2.0
     model = RewardModelClient([ScriptedReplica(0.25)])
     traj, failure = scored(RewardServices(0.5, 5, [(model, 2.0), (ScriptedJudge("yes", judge.parse), 1.0)]))
@@ -166,3 +173,11 @@ def test_the_judge_is_asked_with_its_template_through_its_chat_template(reward_m
     assert judge.tokenizer.decode(ids) == asked  # the last user message, the generation prompt
     plain = JudgeClient([object()], JudgeConfig(path=str(base_model), prompt_template="Q: {prompt} A: {response}"))
     assert plain.tokenizer.decode(plain.prompt_ids(PROBLEM, "Answer: 3")) == "Q: 1 + 2 =\n A: Answer: 3"
+    # a template without the response is a judge that answers the problem itself: parser=match only
+    from asyncrl.config.validate import ConfigError
+    from asyncrl.run_config import load_config
+
+    alone = [f"reward.judge.path={base_model}", "reward.judge.prompt_template='{prompt}'"]
+    with pytest.raises(ConfigError, match=r"must hold \{response\}"):
+        load_config(alone)
+    assert load_config([*alone, "reward.judge.parser=match"]).reward.judge.parser == "match"

@@ -421,7 +421,7 @@ class RewardModelConfig:
     max_length: int = 1024  # tokens it reads; a longer sample is cut on the left (the response is kept)
 
 
-JUDGE_PARSERS = ("number", "yes_no")
+JUDGE_PARSERS = ("number", "yes_no", "match")
 
 
 @dataclass
@@ -436,8 +436,10 @@ class JudgeConfig:
     # Python format fields: {prompt} (the prompt's text, or its last user message), {response}
     prompt_template: str = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? Reply yes or no.\n"
     # number: the first number of the answer, clamped to [min_score, max_score] and scaled to [0, 1];
-    # yes_no: 1 for an answer that starts with "yes", 0 for "no". Anything else: the sample's reward
-    # is 0 and the failure is counted (judge_unparsable).
+    # yes_no: 1 for an answer that starts with "yes", 0 for "no"; match: the judge solves the
+    # problem itself (a template without {response}), 1 when its answer's last number is the
+    # response's last number, else 0. Anything else: the sample's reward is 0 and the failure is
+    # counted (judge_unparsable).
     parser: str = "yes_no"
     min_score: float = 0.0
     max_score: float = 10.0

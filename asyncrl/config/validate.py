@@ -393,8 +393,10 @@ def _check_judge(c: Config, problems: list[str], need, at_least, one_of, within)
         fields = {f for _, f, _, _ in string.Formatter().parse(j.prompt_template) if f is not None}
     except ValueError:  # an unmatched brace
         fields = set()
-    need(fields <= {"prompt", "response"} and "response" in fields, "reward.judge.prompt_template", j.prompt_template,
-         "must hold {response} (and may hold {prompt}), no other format field; a literal brace is written twice")
+    need(fields <= {"prompt", "response"} and ("response" in fields or j.parser == "match"),
+         "reward.judge.prompt_template", j.prompt_template,
+         "must hold {response} (and may hold {prompt}; with reward.judge.parser=match it may hold {prompt} alone), "
+         "no other format field; a literal brace is written twice")
 
 
 def _check_tools(c: Config, problems: list[str], need, at_least, one_of, within) -> None:

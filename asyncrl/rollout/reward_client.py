@@ -101,10 +101,14 @@ class JudgeClient:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text)["input_ids"]
 
-    def parse(self, answer: str) -> float:
-        """The judge's answer as a score in [0, 1] (reward.judge.parser)."""
+    def parse(self, answer: str, response: str = "") -> float:
+        """The judge's answer as a score in [0, 1] (reward.judge.parser), for `response`."""
         j = self.judge
-        if j.parser == "yes_no":
+        if j.parser == "match":  # the judge's own answer to the problem (its last number: it may work
+            if mine := NUMBER.findall(answer):  # it out first), against the response's
+                theirs = NUMBER.findall(response)
+                return float(bool(theirs) and float(theirs[-1]) == float(mine[-1]))
+        elif j.parser == "yes_no":
             word = answer.strip().lower()
             if word.startswith(("yes", "no")):
                 return 1.0 if word.startswith("yes") else 0.0
@@ -120,7 +124,7 @@ class JudgeClient:
                                                           f"judge-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: this sample's reward is 0, the run goes on
             raise ScoreFailed(Failure("judge_error", error_line(e))) from None
-        return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True), response)
 
 
 class TeacherClient:
