@@ -1,11 +1,8 @@
 """Build a reward model for `reward.model.path`: the base model's transformer with a one-output
-score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenizer; or, with
-`--judge`, a generative judge for `reward.judge.path`: the base model taught to answer "yes" or
-"no" after a sample and JUDGE_QUESTION (use reward.judge.prompt_template=JUDGE_TEMPLATE).
+score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenizer.
 
     python scripts/build_reward_model.py --base recipes/arith/base_model --out build/arith_reward_model \
         --train-steps 300
-    python scripts/build_reward_model.py --judge --out build/arith_judge --train-steps 300
 
 With `--train-steps` it learns from the recipe's problems (binary cross-entropy on the right direct
 and worked answers against wrong ones of the same forms) to score a right worked solution above a
@@ -24,8 +21,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-JUDGE_QUESTION = "\nCorrect?"
-JUDGE_TEMPLATE = "{prompt}{response}" + JUDGE_QUESTION  # the judge's reward.judge.prompt_template
 
 
 def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float = 3e-4, batch: int = 32) -> Path:
@@ -42,60 +37,6 @@ def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
-
-
-def build_judge(base: Path, out: Path, train_steps: int, seed: int = 0, lr: float = 3e-4, batch: int = 32) -> Path:
-    """The base causal LM trained (cross-entropy on the verdict's tokens only) to continue a right
-    sample + JUDGE_QUESTION with "yes" and a wrong one with "no"."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    verdicts = {1.0: tokenizer("yes")["input_ids"], 0.0: tokenizer("no")["input_ids"]}  # the first token decides
-    samples = _labelled(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for step in range(train_steps):
-        chunk = [samples[(step * batch + i) % len(samples)] for i in range(batch)]
-        # the judge's request as JudgeClient makes it (tokenizer(text)), then the verdict and EOS
-        rows = [(tokenizer(text + JUDGE_QUESTION)["input_ids"], verdicts[y] + [tokenizer.eos_token_id])
-                for text, y in chunk]
-        width = max(len(q) + len(a) for q, a in rows)
-        ids = torch.full((len(rows), width), tokenizer.eos_token_id)
-        labels = torch.full((len(rows), width), -100)
-        for i, (q, a) in enumerate(rows):
-            ids[i, :len(q) + len(a)] = torch.tensor(q + a)
-            labels[i, len(q):len(q) + len(a)] = torch.tensor(a)
-        loss = model(input_ids=ids, labels=labels).loss  # right padding: no real token sees the pad
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % 50 == 0 or step == train_steps - 1:
-            print(f"step {step}: loss {loss.item():.3f}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def judge_accuracy(path: Path, n: int = 200, seed: int = 1) -> dict[str, float]:
-    """The share of n held-out problems' samples (right and wrong, per form) the judge at `path`
-    gets right: greedy, "yes" for the right one and "no" for the wrong one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    pairs = _pairs("heldout", n, random.Random(seed))
-    right = dict.fromkeys(pairs[0], 0)
-    for pair in pairs:
-        for form, texts in pair.items():
-            for text, expected in zip(texts, ("yes", "no")):
-                ids = torch.tensor([tokenizer(text + JUDGE_QUESTION)["input_ids"]])
-                with torch.no_grad():
-                    out = model.generate(ids, max_new_tokens=4, do_sample=False)
-                right[form] += tokenizer.decode(out[0, ids.shape[1]:]).strip().startswith(expected)
-    return {form: won / (2 * len(pairs)) for form, won in right.items()}
 
 
 def _pairs(split: str, n: int, rng: random.Random) -> list[dict[str, tuple[str, str]]]:
@@ -164,17 +105,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "build" / "arith_reward_model")
     ap.add_argument("--train-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--judge", action="store_true", help="a generative judge (needs --train-steps)")
     ap.add_argument("--evaluate", type=Path, help="build nothing: how often the reward model at this path "
-                    "ranks a held-out right answer above a wrong one (with --judge: how often the judge "
-                    "calls a held-out sample right) (a JSON line)")
+                    "ranks a held-out right answer above a wrong one (a JSON line)")
     args = ap.parse_args()
-    if args.evaluate and args.judge:
-        print(json.dumps({"judge": str(args.evaluate), "verdicts_right": judge_accuracy(args.evaluate)}))
-    elif args.evaluate:
+    if args.evaluate:
         print(json.dumps({"reward_model": str(args.evaluate), "right_above_wrong": ranking(args.evaluate)}))
-    elif args.judge:
-        print(build_judge(args.base, args.out, args.train_steps or 300, args.seed))
     else:
         print(build(args.base, args.out, args.train_steps, args.seed))
 

@@ -21,7 +21,8 @@ Lifecycle of a submitted problem:
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure. A loop that raises becomes a failed trajectory (counted), never a crash.
      With reward services (reward.model, reward.judge), their scores join the env's
-     reward (asyncrl/rollout/reward_client.py), under the same timeout.
+     reward (asyncrl/rollout/reward_client.py), under the same timeout; a distillation
+     teacher (algorithm.distill) adds its logprob of each response token.
   5) When all n trajectories are finished, the group goes to the sink.
 `checkpoint()` (while interrupted) hands the driver every unfinished group: its finished
 samples and its loops' snapshots; `restore()` continues such groups, in any worker.

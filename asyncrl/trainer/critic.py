@@ -75,7 +75,6 @@ class Critic:
         from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge
 
         self.cfg = settings.algorithm.critic
-        self.trainer = settings.trainer
         self.device, self.dtype, self.use_te = device, dtype, use_te
         self.dp_size = mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
@@ -112,8 +111,9 @@ class Critic:
 
     @torch.no_grad()
     def prepare(self, updates: list[list[PackedBatch]]) -> dict[str, float]:
-        """Values, GAE advantages (whitened) and returns for every micro-batch of the step (set on
-        the batches, on the host); returns the statistics of the values and returns."""
+        """Values, GAE advantages (whitened, with loss.normalize_adv_std) and returns for every
+        micro-batch of the step (set on the batches, on the host); the statistics of the values,
+        returns and raw advantages."""
         self.model[0].eval()
         batches = [b for update in updates for b in update]
         for b in batches:
