@@ -176,3 +176,19 @@ def test_config_validation_checks_every_agent(multi_cfg):
     assert "agents[3] (chain_sum): params.typo_key: Key 'typo_key' not in 'DatasetParams'" in text
     with pytest.raises(ConfigError, match="algorithm.prompts_per_step=2: must be >= the number of training agents"):
         load_config(["recipe=multi_task", "algorithm.prompts_per_step=2"])
+
+
+def test_periodic_evaluations_sample_the_first_problems_of_each_env_and_the_rest_greedily():
+    from types import SimpleNamespace
+
+    from asyncrl.config.schema import EvalConfig
+    from asyncrl.control.periodic_eval import PeriodicEvaluation
+    from asyncrl.tasks import Problem
+
+    envs = {env: [Problem(f"{env}/{i}", env, "q", "q", "1") for i in range(5)] for env in ("a", "b")}
+    agents = SimpleNamespace(heldout=lambda n: [p for ps in envs.values() for p in ps[:n]])
+    evals = PeriodicEvaluation(EvalConfig(periodic_pass_k_problems=2), 10, agents, agents.heldout(4))
+    assert [p.prompt_id for p in evals.sampled] == ["a/0", "a/1", "b/0", "b/1"]
+    assert [p.prompt_id for p in evals.greedy_only] == ["a/2", "a/3", "b/2", "b/3"]
+    every = PeriodicEvaluation(EvalConfig(periodic_pass_k_problems=0), 10, agents, agents.heldout(4))
+    assert len(every.sampled) == 8 and every.greedy_only == []
