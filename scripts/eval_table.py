@@ -3,7 +3,7 @@
 seconds, the syncs deferred for them, how long training waited, the `eval_overlap` ratio, the
 final accuracy. Evaluations are due every 10 steps (eval.every_steps' default), but at the last.
 
-    python scripts/eval_table.py NAME=RUN_DIR [NAME=RUN_DIR ...]
+    python scripts/eval_table.py NAME=RUN_DIR [NAME=RUN_DIR ...]     # (split at the last "=")
 
 Prints a Markdown table, then a JSON line with the same figures.
 """
@@ -38,7 +38,7 @@ def figures(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    runs = {name: figures(Path(path)) for name, path in (a.split("=", 1) for a in sys.argv[1:])}
+    runs = {name: figures(Path(path)) for name, path in (a.rsplit("=", 1) for a in sys.argv[1:])}
     print("| run | evaluations during training | started -> logged at step | versions each spans | seconds each "
           "| syncs deferred | training waited | `eval_overlap` ratio | final accuracy |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
