@@ -192,7 +192,8 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
         raise PlacementError("not enough cluster resources for this config: " + ", ".join(
             f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
             + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
-              "reward.model.num_cpus_per_actor, or the number of engines / workers / ranks; custom resources "
+              "reward.model.num_cpus_per_actor, reward.judge.num_cpus_per_engine, "
+              "algorithm.distill.num_cpus_per_engine, or the number of engines / workers / ranks; custom resources "
               "of engine/trainer/rollout.resources come from the nodes' `ray start --resources`)")
     pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
     ray.get(pg.ready(), timeout=timeout_s)
