@@ -152,8 +152,9 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
                   "eval.every_steps=0", "bench.fault_steps=[2,3,5,9]", "bench.checkpoint_every=4",
                   f"reward.model.path={reward_model}", "reward.model.weight=0.5", "bench.reward_model_fault_step=4",
                   f"reward.judge.path={base_model}", "reward.judge.weight=0.1", "reward.judge.parser=number",
-                  "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.max_new_tokens=16",
-                  "reward.judge.prompt_template='{response} {prompt}'", "bench.judge_fault_step=6",
+                  "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.max_new_tokens=6",
+                  # the judge continues with just a number (its own answer): few tokens a sample
+                  "reward.judge.prompt_template='{response} {prompt}Answer: '", "bench.judge_fault_step=6",
                   "reward.model.num_cpus_per_actor=0.25", "reward.judge.num_cpus_per_engine=0.25",
                   "trainer.num_cpus_per_rank=0.75",  # 2 CPUs in all
                   f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
