@@ -256,14 +256,15 @@ class Driver:
         if self.engines.only_unrouted():
             logger.warning("no engine the workers route to is alive: the replacements get policy version %d now",
                            self.version)
-            self._policy_to_engines(self.version)
+            self._policy_to_engines()
             self.engines.route_joined(self.workers, self.version)
 
-    def _policy_to_engines(self, version: int) -> None:
+    def _policy_to_engines(self) -> None:
+        """The trainer's current weights to every engine now, whatever algorithm.policy_lag."""
         mode = self.cfg.algorithm.pause_mode
         if mode == "abort":
             self.workers.interrupt()
-        self.engine_version = self.engines.sync.sync(version, mode, newest=True).engine_version
+        self.engine_version = self.engines.sync.sync(self.version, mode, newest=True).engine_version
         if mode == "abort":
             self.workers.resume_interrupted()
 
@@ -271,7 +272,7 @@ class Driver:
         """With algorithm.policy_lag the engines hold an older policy than the trainer: the final
         evaluation is of the trainer's (the policy the run trained)."""
         if self.engine_version != self.version:
-            self._policy_to_engines(self.version)
+            self._policy_to_engines()
 
     def _restart_trainer(self, why: str) -> None:
         """A trainer rank died: new ranks in the same bundles load the newest checkpoint, and the whole

@@ -26,9 +26,11 @@ own reward does. Held-out evaluations do not come here: they measure the envs' r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from asyncrl.agents.api import load_tokenizer
@@ -54,28 +56,39 @@ class ServiceStats:
     seconds: float = 0.0  # the time they took
 
 
-class RewardModelClient:
-    name = "reward_model"
+class LeastBusy:
+    """A service's actors, each request sent to the one with the fewest of this worker's requests
+    outstanding; a dead one's replacement takes its index (the supervisor's)."""
 
-    def __init__(self, replicas: list[RewardModelHandle]):
-        self.replicas = replicas
-        self.outstanding = [0] * len(replicas)
+    def __init__(self, actors: list[RewardModelHandle] | list[TeacherEngineHandle]):
+        self.actors = actors
+        self.outstanding = [0] * len(actors)
 
-    def replace(self, index: int, replica: RewardModelHandle) -> None:
-        """A dead replica's replacement (the supervisor's)."""
-        self.replicas[index] = replica
+    def replace(self, index: int, actor: RewardModelHandle | TeacherEngineHandle) -> None:
+        self.actors[index] = actor
 
-    async def score(self, problem: Problem, traj: Trajectory) -> float:
-        response = traj.info.get("response", "")
-        i = min(range(len(self.replicas)), key=lambda k: self.outstanding[k])
+    @contextlib.contextmanager
+    def pick(self) -> Iterator[RewardModelHandle | TeacherEngineHandle]:
+        i = min(range(len(self.actors)), key=lambda k: self.outstanding[k])
         self.outstanding[i] += 1
         try:
-            (score,) = await self.replicas[i].score.remote([RewardRequest(problem.prompt, response,
-                                                                          list(problem.messages or []))])
-        except Exception as e:  # a dead or failing replica: this sample's reward is 0, the run goes on
-            raise ScoreFailed(Failure("reward_model_error", error_line(e))) from None
+            yield self.actors[i]
         finally:
             self.outstanding[i] -= 1
+
+
+class RewardModelClient(LeastBusy):
+    """The reward model's replicas."""
+
+    name = "reward_model"
+
+    async def score(self, problem: Problem, traj: Trajectory) -> float:
+        request = RewardRequest(problem.prompt, traj.info.get("response", ""), list(problem.messages or []))
+        try:
+            with self.pick() as replica:
+                (score,) = await replica.score.remote([request])
+        except Exception as e:  # a dead or failing replica: this sample's reward is 0, the run goes on
+            raise ScoreFailed(Failure("reward_model_error", error_line(e))) from None
         return float(score)
 
 
@@ -127,28 +140,20 @@ class JudgeClient:
         return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True), response)
 
 
-class TeacherClient:
+class TeacherClient(LeastBusy):
+    """The distillation teacher's engines."""
+
     name = "teacher"
-
-    def __init__(self, engines: list[TeacherEngineHandle]):
-        self.engines = engines
-        self.outstanding = [0] * len(engines)
-
-    def replace(self, index: int, engine: TeacherEngineHandle) -> None:
-        self.engines[index] = engine
 
     async def score(self, problem: Problem, traj: Trajectory) -> None:
         """The teacher's logprob of each response token, kept in `traj.teacher_logprobs`."""
-        i = min(range(len(self.engines)), key=lambda k: self.outstanding[k])
-        self.outstanding[i] += 1
         tokens = list(traj.prompt_token_ids) + traj.response_token_ids
         try:
-            traj.teacher_logprobs = await self.engines[i].score_tokens.remote(
-                tokens, len(traj.prompt_token_ids), f"teacher-{uuid.uuid4().hex}")
+            with self.pick() as engine:
+                traj.teacher_logprobs = await engine.score_tokens.remote(
+                    tokens, len(traj.prompt_token_ids), f"teacher-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: no distillation term for this sample, the run goes on
             raise ScoreFailed(Failure("teacher_error", error_line(e))) from None
-        finally:
-            self.outstanding[i] -= 1
 
 
 Client = RewardModelClient | JudgeClient | TeacherClient

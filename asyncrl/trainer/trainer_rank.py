@@ -219,8 +219,8 @@ class TrainerRank:
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         """One trainer step on these trajectory groups (every rank gets the same list)."""
         t0, cpu0 = time.monotonic(), time.process_time()
-        lc = self.cfg.algorithm.loss
         a = self.cfg.algorithm
+        lc = a.loss
         step = build_samples(groups, lc, a.advantage, a.distill.coef if a.distill.teacher_path else 0.0)
         # floats, or 0-d tensors on the device (the loss's statistics), read once at the end of the step
         stats: dict[str, float | torch.Tensor] = {}
