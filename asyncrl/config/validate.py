@@ -23,6 +23,7 @@ from asyncrl.config.models import checkpoint_model_type, reward_model_problem, v
 from asyncrl.config.schema import (
     ADVANTAGES,
     AGGREGATIONS,
+    CPU_AMX,
     DATA_FORMATS,
     DATA_SOURCES,
     DEVICES,
@@ -200,10 +201,29 @@ def _check_agents_or_data(c: Config, problems: list[str], need, at_least, one_of
         _check_data("data", c.data, problems)
 
 
+def cpu_dtype_problem(dtype: str, cpu_amx: str) -> str | None:
+    """Why a vLLM-CPU engine of `dtype` (engine.dtype) cannot run on this CPU with `cpu_amx`
+    (engine.cpu_amx), in one line; None if it can (the kernels vLLM-CPU picks by CPU feature:
+    asyncrl/engine/vllm_compat.py)."""
+    if dtype not in ("bfloat16", "float16") or cpu_amx == "off":
+        return None
+    if cpu_amx == "assume":
+        return (f"engine.dtype={dtype} with engine.cpu_amx=assume: vLLM-CPU would run its AMX kernels, "
+                "whatever the CPU has; assume is for float32 engines")
+    from asyncrl.torch_compat import cpu_has_amx  # imports torch: only for the dtypes that need it
+
+    if not cpu_has_amx():
+        return None
+    return (f"engine.dtype={dtype} on a CPU with AMX (amx_tile in lscpu's flags): vLLM-CPU packs its weights "
+            "for AMX kernels that asyncrl's weight sync is not checked against; set engine.cpu_amx=off "
+            "(vLLM's AVX-512 kernels) or engine.dtype=float32")
+
+
 def _check_engine(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     e = c.engine
     one_of("engine.backend", e.backend, ENGINE_BACKENDS)
     one_of("engine.dtype", e.dtype, DTYPES)
+    one_of("engine.cpu_amx", e.cpu_amx, CPU_AMX)
     within("engine.num_engines", e.num_engines, 1, MAX_WORKERS)
     within("engine.tensor_parallel_size", e.tensor_parallel_size, 1, MAX_PARALLEL)
     a = e.autoscale
@@ -223,6 +243,9 @@ def _check_engine(c: Config, problems: list[str], need, at_least, one_of, within
     within("engine.cpu_kvcache_space_gib", e.cpu_kvcache_space_gib, 1, MAX_KVCACHE_GIB, "vLLM-CPU needs a KV cache")
     need(re.fullmatch(r"auto|nobind|[0-9,\-|]+", e.cpu_threads_bind) is not None, "engine.cpu_threads_bind",
          e.cpu_threads_bind, 'must be "auto", "nobind" or a core list such as "0" or "0-3"')
+    if c.cluster.device == "cpu" and e.backend == "vllm":  # this machine's CPU; each engine checks its own
+        why = cpu_dtype_problem(e.dtype, e.cpu_amx)
+        need(why is None, "engine.dtype", e.dtype, why or "")
     need(0 < e.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization", e.gpu_memory_utilization,
          "must be in (0, 1]")
     need(e.num_cpus_per_engine > 0, "engine.num_cpus_per_engine", e.num_cpus_per_engine, "must be > 0")

@@ -44,6 +44,7 @@ import safetensors.torch
 import torch
 
 from asyncrl.config.schema import EngineConfig
+from asyncrl.config.validate import cpu_dtype_problem
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.engine.adapter_slots import AdapterSlots, lora_id
 from asyncrl.engine.pause import check_pause
@@ -125,6 +126,8 @@ class EngineActor:
 
         kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.adapters.rank,
                                     self.adapters.versions)
+        if self.device == "cpu" and (why := cpu_dtype_problem(kwargs["dtype"], self.cfg.cpu_amx)):
+            raise ValueError(f"engine-{self.engine_id}: {why}")  # a node whose CPU the driver's validation did not see
         if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
             kwargs["enable_prefix_caching"] = False
         args = AsyncEngineArgs(**kwargs, worker_extension_cls=self.worker_extension, disable_log_stats=True)

