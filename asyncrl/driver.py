@@ -340,7 +340,8 @@ class Driver:
         self.agents.restore(state.problem_stream)
         self.base_eval = state.base_eval
         if self.cfg.trainer.backend == "megatron":  # (a simulated run's tokens are no model's)
-            drop_untrainable(saved.queue, model_limits(self.cfg.model.path))
+            drop_untrainable(saved.queue, model_limits(self.cfg.model.path, self.cfg.engine.max_model_len,
+                                                       self.cfg.reward.max_abs))
         ray.get(self.queue.restore.remote(saved.queue))
         # The engines get the restored weights (a policy lag starts again from them).
         self.engine_version = self.engines.sync.sync(self.version, self.cfg.algorithm.pause_mode,

@@ -498,14 +498,20 @@ def _remote_group(n: int = 2, **change) -> TrajectoryGroup:
     return TrajectoryGroup("g", "far:0", trajs)
 
 
+def _regrouped(group: TrajectoryGroup, group_id: str) -> TrajectoryGroup:
+    return TrajectoryGroup(group_id, group.prompt_id, [dataclasses.replace(t, group_id=group_id)
+                                                       for t in group.trajectories])
+
+
 ROUTES = RoutedExperts.from_array(np.zeros((4, 2, 2), dtype=np.uint8))
-LIMITS = TrajectoryLimits(vocab_size=512, newest_version=3, routes=(2, 2, 8))
+LIMITS = TrajectoryLimits(vocab_size=512, newest_version=3, routes=(2, 2, 8), max_tokens=128)
+LONG = 128 * 20  # a response 20x the context
 UNTRAINABLE = {  # what a hostile or buggy server can send, and the reason it is refused for
     "no trajectories": (_remote_group(0), "0 trajectories for a group of 2"),
     "one too many": (_remote_group(3), "3 trajectories for a group of 2"),
     "NaN reward": (_remote_group(reward=float("nan")), "reward nan is not a finite number"),
     "infinite reward": (_remote_group(reward=float("inf")), "reward inf"),
-    "NaN logprob": (_remote_group(logprobs=[float("nan"), -1.0]), "logprobs that are not finite"),
+    "NaN logprob": (_remote_group(logprobs=[float("nan"), -1.0]), "segments.0.logprobs.0: Input should be a finite"),
     "positive logprob": (_remote_group(logprobs=[0.5, -1.0]), "logprobs that are not finite numbers <= 0"),
     "token id of 2**70": (_remote_group(token_ids=[2**70, 8]), "token ids outside the vocabulary [0, 512)"),
     "token past the vocabulary": (_remote_group(token_ids=[512, 8]), "token ids outside the vocabulary"),
@@ -517,6 +523,34 @@ UNTRAINABLE = {  # what a hostile or buggy server can send, and the reason it is
                                   "routes of 3 layers x top-2, the model's are 2 x 2"),
     "expert id out of range": (_remote_group(routes=RoutedExperts(bytes([9]) + bytes(15), 2, 2)),
                                "expert ids outside [0, 8)"),
+    # types first: what numpy would have turned into a number, and the trainer's packing crashed on
+    "token id as a string": (_remote_group(token_ids=["12", 8]), "segments.0.token_ids.0: Input should be a valid "
+                                                                 "integer (got str)"),
+    "token id as a float": (_remote_group(token_ids=[11.5, 8]), "segments.0.token_ids.0: Input should be a valid "
+                                                                "integer (got float)"),
+    "token id as a bool": (_remote_group(token_ids=[True, 8]), "segments.0.token_ids.0: Input should be a valid "
+                                                               "integer (got bool)"),
+    "prompt token id as a string": (_remote_group(prompt_token_ids=[1, "2", 3]), "prompt_token_ids.1: Input should"),
+    "logprob as a string": (_remote_group(logprobs=["-0.5", -1.0]), "segments.0.logprobs.0: Input should be a valid "
+                                                                    "number"),
+    "version as a string": (_remote_group(versions=["0", 2]), "segments.0.versions.0: Input should be a valid "
+                                                              "integer"),
+    "loss mask as a string": (_remote_group(loss_mask="11"), "segments.0.loss_mask: Input should be a valid list"),
+    "reward of 1e200": (_remote_group(reward=1e200), "reward 1e+200 outside [-1e+06, 1e+06] (reward.max_abs)"),
+    "reward of 1.7e308": (_remote_group(reward=1.7e308), "reward 1.7e+308 outside"),
+    "NaN teacher logprob": (_remote_group(teacher_logprobs=[float("nan"), -1.0]), "teacher_logprobs.0: Input "
+                                                                                   "should be a finite number"),
+    "positive teacher logprob": (_remote_group(teacher_logprobs=[0.5, -1.0]), "teacher logprobs"),
+    "teacher logprobs of another length": (_remote_group(teacher_logprobs=[-1.0]), "1 teacher logprobs for 2"),
+    "tool_calls as a string": (_remote_group(info={"tool_calls": "3"}), "info.tool_calls: Input should be a valid "
+                                                                        "integer"),
+    "tool_errors counted by strings": (_remote_group(info={"tool_errors": {"x": "1"}}), "info.tool_errors.x"),
+    "reward_metrics as a string": (_remote_group(info={"reward_metrics": "x"}), "info.reward_metrics: Input should "
+                                                                                "be a valid dictionary"),
+    "a response 20x the context": (_remote_group(token_ids=[7] * LONG, logprobs=[-0.5] * LONG, versions=[2] * LONG,
+                                                 loss_mask=[1] * LONG),
+                                   f"{LONG + 3} tokens, more than the context holds (engine.max_model_len=128)"),
+    "group id other than asked": (_regrouped(_remote_group(), "h"), "group id 'h', not the 'g' asked for"),
 }
 
 
@@ -524,7 +558,7 @@ UNTRAINABLE = {  # what a hostile or buggy server can send, and the reason it is
 @pytest.mark.parametrize("what", UNTRAINABLE)
 def test_an_untrainable_remote_group_is_refused_with_its_reason(what):
     group, reason = UNTRAINABLE[what]
-    assert reason in (group_problem(group, 2, LIMITS) or "")
+    assert reason in (group_problem(group, 2, LIMITS, "g") or "")
 
 
 def test_a_well_formed_remote_group_passes():
@@ -535,7 +569,10 @@ def test_a_well_formed_remote_group_passes():
 
 
 @pytest.mark.attack
-@pytest.mark.parametrize("what", ["NaN reward", "one too many", "no trajectories", "token id of 2**70"])
+@pytest.mark.parametrize("what", ["NaN reward", "one too many", "no trajectories", "token id of 2**70",
+                                  # each lost its group in silence: an exception in the group's task
+                                  "loss mask as a string", "tool_calls as a string", "group id other than asked",
+                                  "reward_metrics as a string", "token id as a string"])
 def test_the_worker_counts_an_untrainable_remote_group_as_a_failed_one(cfg, problems, monkeypatch, what):
     """Through the worker: the group ends as n failed trajectories (never queued for training), one
     remote_error counted with its reason; n + 1 trajectories no longer raise, 0 no longer hang."""
@@ -546,7 +583,7 @@ def test_the_worker_counts_an_untrainable_remote_group_as_a_failed_one(cfg, prob
     answer, reason = UNTRAINABLE[what]
 
     async def grouped_rollout(problem, group_size, inference, group_id="", sampling=None):
-        return answer
+        return answer if what == "group id other than asked" else _regrouped(answer, group_id)  # as a server echoes
 
     monkeypatch.setattr(remote, "grouped_rollout", grouped_rollout)
     problem = dataclasses.replace(problems[0], prompt_id="far:0", env_id="far")
@@ -565,3 +602,44 @@ def test_the_worker_counts_an_untrainable_remote_group_as_a_failed_one(cfg, prob
     assert "env 'far' answered an untrainable group" in group.trajectories[0].failure_reason
     assert reason.split(" (")[0].split(",")[0] in group.trajectories[0].failure_reason
     assert worker.get_stats().failures == {"remote_error": 1}
+
+
+# -- every task ends: a trained group, a counted failure, or a prompt the account sees lost -----------
+
+class FailingSink(Sink):
+    """A queue whose put raises its first `failures` calls (every call: None)."""
+
+    def __init__(self, failures: int | None):
+        super().__init__()
+        self.failures = failures
+
+    async def _put(self, group):
+        if self.failures is None or self.failures > 0:
+            self.failures = None if self.failures is None else self.failures - 1
+            raise RuntimeError("the queue refused the group")
+        await super()._put(group)
+
+
+@pytest.mark.attack
+def test_an_exception_in_a_groups_task_is_a_counted_failure_and_the_group_still_ends(cfg, problems):
+    """It used to vanish into drain()'s gather: no group, nothing counted, the prompt pending forever."""
+    sink = FailingSink(failures=1)
+    worker, _ = run_worker(cfg, problems[:1], n=2, sink=sink)
+    (group,) = sink.groups
+    failed = [t for t in group.trajectories if t.status is TrajectoryStatus.FAILED]
+    assert len(failed) == 1 and failed[0].failure_reason == "task_error: RuntimeError: the queue refused the group"
+    assert worker.get_stats().failures == {"task_error": 1}
+    assert worker.pending_prompts() == []
+
+
+@pytest.mark.attack
+def test_a_group_that_cannot_end_is_counted_and_the_prompt_account_sees_it_lost(cfg, problems):
+    from asyncrl.rollout.admission import InvariantBroken, PromptAccount, StalenessController
+
+    sink = FailingSink(failures=None)
+    worker, _ = run_worker(cfg, problems[:1], n=2, sink=sink)
+    assert sink.groups == [] and worker.get_stats().failures == {"task_error": 1, "group_lost": 1}
+    account = PromptAccount(StalenessController(max_staleness=0, prompts_per_step=1))
+    account.admit([problems[0].prompt_id], {}, 0)
+    with pytest.raises(InvariantBroken, match="1 running prompts are neither queued nor in a worker"):
+        account.check(0, held=set(worker.pending_prompts()))

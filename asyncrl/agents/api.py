@@ -240,6 +240,7 @@ class AgentSettings:
     time_scale: float  # cluster.time_scale
     reward_timeout_s: float  # rollout.reward_timeout_s
     recipe_module: str  # recipe.module: the hooks of dataset agents that name none
+    max_abs_reward: float = 1e6  # reward.max_abs: a reward past it is a failure (as a NaN is)
 
     @classmethod
     def of(cls, cfg: Config) -> AgentSettings:
@@ -248,7 +249,8 @@ class AgentSettings:
                    chat_template=cfg.model.chat_template,
                    sampling=SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p),
                    max_model_len=cfg.engine.max_model_len, tools=cfg.tools, time_scale=cfg.cluster.time_scale,
-                   reward_timeout_s=r.reward_timeout_s, recipe_module=cfg.recipe.module)
+                   reward_timeout_s=r.reward_timeout_s, recipe_module=cfg.recipe.module,
+                   max_abs_reward=cfg.reward.max_abs)
 
 
 class Agent(ABC):
@@ -317,8 +319,8 @@ class Agent(ABC):
 
     async def score(self, problem: Problem, traj: Trajectory) -> Failure | None:
         """Set the trajectory's reward (and info["reward_metrics"], when the reward gives some) from
-        its decoded response; a reward function that raises, returns no finite number or exceeds
-        rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
+        its decoded response; a reward function that raises, returns no finite number, one past
+        reward.max_abs or exceeds rollout.reward_timeout_s gives reward 0. Returns the failure, or None."""
         response = self.tokenizer.decode(traj.response_token_ids, skip_special_tokens=True)
         traj.info["response"] = response
         timeout = self.settings.reward_timeout_s
@@ -327,8 +329,11 @@ class Agent(ABC):
             reward, metrics = await asyncio.wait_for(asyncio.to_thread(self.reward_and_metrics, problem, response),
                                                      timeout)
             reward = float(reward)
+            bound = self.settings.max_abs_reward
             if not math.isfinite(reward):  # a NaN would poison the group's advantages
                 raise ValueError(f"the reward is {reward!r}, not a finite number")
+            if abs(reward) > bound:  # 1e200 overflows the group's variance, 1e308 its mean
+                raise ValueError(f"the reward is {reward:g}, outside [-{bound:g}, {bound:g}] (reward.max_abs)")
             traj.reward = reward
             if metrics:
                 traj.info["reward_metrics"] = metrics

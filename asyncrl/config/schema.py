@@ -458,6 +458,9 @@ class RewardConfig:
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     env_weight: float = 1.0  # the weight of the env's own reward (its rule or hook) beside the services'
+    # |reward| past this is a counted failure (reward 0), from a reward function, a service or an env
+    # server, and refused in a checkpoint: 1e200 overflows a group's variance, 1e308 its mean.
+    max_abs: float = 1e6
 
 
 @dataclass

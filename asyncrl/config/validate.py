@@ -369,6 +369,8 @@ def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, withi
 
 
 def _check_reward(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
+    within("reward.max_abs", c.reward.max_abs, 1e-6, 1e12, "|reward| past it is a failure: 1e200 overflows "
+           "a group's variance")
     m = c.reward.model
     if not m.path:
         return

@@ -33,6 +33,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from asyncrl.agents.api import load_tokenizer
 from asyncrl.config.schema import JudgeConfig
 from asyncrl.interfaces import EngineHandle, RewardModelHandle, TeacherEngineHandle
@@ -150,10 +152,14 @@ class TeacherClient(LeastBusy):
         tokens = list(traj.prompt_token_ids) + traj.response_token_ids
         try:
             with self.pick() as engine:
-                traj.teacher_logprobs = await engine.score_tokens.remote(
-                    tokens, len(traj.prompt_token_ids), f"teacher-{uuid.uuid4().hex}")
+                logprobs = await engine.score_tokens.remote(tokens, len(traj.prompt_token_ids),
+                                                             f"teacher-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: no distillation term for this sample, the run goes on
             raise ScoreFailed(Failure("teacher_error", error_line(e))) from None
+        if len(logprobs) != traj.num_response_tokens or not np.isfinite(logprobs).all():  # a NaN: no finite advantage
+            raise ScoreFailed(Failure("teacher_error", f"{len(logprobs)} logprobs for {traj.num_response_tokens} "
+                                                       "response tokens, or some not finite"))
+        traj.teacher_logprobs = logprobs
 
 
 Client = RewardModelClient | JudgeClient | TeacherClient
@@ -163,8 +169,10 @@ class RewardServices:
     """The services a worker scores with, and their weights in the reward (None: the teacher's
     logprobs are no score)."""
 
-    def __init__(self, env_weight: float, timeout_s: float, services: list[tuple[Client, float | None]]):
+    def __init__(self, env_weight: float, timeout_s: float, services: list[tuple[Client, float | None]],
+                 max_abs_reward: float = 1e6):
         self.env_weight, self.timeout_s, self.services = env_weight, timeout_s, services
+        self.max_abs_reward = max_abs_reward  # reward.max_abs
         self.stats = {client.name: ServiceStats() for client, _ in services}
 
     def client(self, name: str) -> Client | None:
@@ -194,7 +202,14 @@ class RewardServices:
                 return failure
         env = traj.reward
         scores = [(c.name, w, s) for (c, w), s in zip(self.services, answers) if w is not None]
-        traj.reward = self.env_weight * env + sum(w * s for _, w, s in scores)
+        reward = self.env_weight * env + sum(w * s for _, w, s in scores)
+        if not abs(reward) <= self.max_abs_reward:  # NaN too
+            failure = Failure("reward_error", f"the reward is {reward:g}, outside [-{self.max_abs_reward:g}, "
+                                              f"{self.max_abs_reward:g}] (reward.max_abs)")
+            traj.reward = 0.0
+            traj.info["reward_failure"] = str(failure)
+            return failure
+        traj.reward = reward
         traj.info["reward_metrics"] = {**traj.info.get("reward_metrics", {}), "env_reward": env,
                                        **{name: s for name, _, s in scores}}
         return None

@@ -39,7 +39,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,7 +53,7 @@ from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle, TeacherEngineHandle
-from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats
+from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats, error_line
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices, TeacherClient
 from asyncrl.rollout.router import EngineRouter
@@ -167,7 +167,8 @@ class RolloutWorker:
         services = ([(RewardModelClient(list(reward_models)), s.reward.model.weight)] if reward_models else []) + \
             ([(JudgeClient(list(judges), s.reward.judge), s.reward.judge.weight)] if judges else []) + \
             ([(TeacherClient(list(teachers)), None)] if teachers else [])
-        self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, services) if services else None
+        self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, services,
+                                      s.reward.max_abs) if services else None
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
         self._slots = asyncio.Semaphore(s.max_concurrent_loops)
         self._interrupt = asyncio.Event()
@@ -388,10 +389,39 @@ class RolloutWorker:
         return _PendingGroup(group_id, problem, agent, ids, [None] * n)
 
     def _spawn(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
-        task = asyncio.get_running_loop().create_task(self._run_sample(group, index, start))
+        work = self._guarded(group, [index], self._run_sample(group, index, start))
+        task = asyncio.get_running_loop().create_task(work)
         for tasks in (self._tasks, self._sample_tasks):
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+
+    async def _guarded(self, group: _PendingGroup, indices: list[int], work: Awaitable[None]) -> None:
+        """Run a group's task; an exception in it (a bug, a sample no check foresaw) fails the samples
+        `indices` it ran, counted with its reason, so that the group still ends. If even that fails,
+        the group is given up: counted, and no longer reported as held (`pending_prompts`), so the
+        driver's prompt account sees a lost prompt instead of waiting for it forever."""
+        try:
+            await work
+            return
+        except Exception as e:  # never swallowed: drain() gathers with return_exceptions
+            failure = Failure("task_error", error_line(e))
+            logger.exception("worker-%d: a task of %s raised: %s", self.worker_id, group.group_id, failure)
+        self._count(failure)
+        try:
+            for i in indices:
+                group.trajectories[i] = None  # what raised may have been its own result
+                await self._finish(group, i, self._failed(group, failure))
+        except Exception as e:
+            lost = Failure("group_lost", error_line(e))
+            logger.exception("worker-%d: group %s could not end (%s): its prompt is lost", self.worker_id,
+                             group.group_id, lost)
+            self._count(lost)
+            self._pending.pop(group.group_id, None)
+
+    @staticmethod
+    def _failed(group: _PendingGroup, failure: Failure) -> Trajectory:
+        return Trajectory(group.problem.prompt_id, group.group_id, list(group.prompt_token_ids),
+                          status=TrajectoryStatus.FAILED, env_id=group.agent.env_id, failure_reason=str(failure))
 
     async def _run_sample(self, group: _PendingGroup, index: int, start: Trajectory | AgentLoopSnapshot) -> None:
         done = await run_sample(group.agent, group.problem, self.inference(), self.sampling, start,
@@ -421,7 +451,7 @@ class RolloutWorker:
                                                              self.sampling)
                     trajs = done.trajectories
                     # an answer our engines and model cannot have produced is refused like a failed server
-                    bad = group_problem(done, n, self._remote_limits())
+                    bad = group_problem(done, n, self._remote_limits(), group.group_id)
                     why = None if bad is None else f"env {group.agent.env_id!r} answered an untrainable group: {bad}"
                 except Exception as e:  # the server or the network failed: a failed group, counted
                     why = str(e)
@@ -429,13 +459,11 @@ class RolloutWorker:
                     logger.warning("worker-%d: remote group %s failed: %s", self.worker_id, group.group_id, why)
                     failure = Failure("remote_error", why)
                     self._count(failure)
-                    trajs = [Trajectory(group.problem.prompt_id, group.group_id, list(group.prompt_token_ids),
-                                        status=TrajectoryStatus.FAILED, env_id=group.agent.env_id,
-                                        failure_reason=str(failure)) for _ in range(n)]
+                    trajs = [self._failed(group, failure) for _ in range(n)]
             for i, t in enumerate(trajs):
                 await self._finish(group, i, t)
 
-        task = asyncio.get_running_loop().create_task(run())
+        task = asyncio.get_running_loop().create_task(self._guarded(group, list(range(n)), run()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -443,7 +471,8 @@ class RolloutWorker:
         """What a remote group's tokens may be: the model's vocabulary and experts, and no version
         newer than the engines have answered this worker with."""
         if self._model_limits is None:
-            self._model_limits = model_limits(self.settings.model_path)
+            self._model_limits = model_limits(self.settings.model_path, self.settings.agents.max_model_len,
+                                              self.settings.reward.max_abs)
         newest = self.router.newest_version if self.router is not None else None
         return replace(self._model_limits, newest_version=newest)
 
