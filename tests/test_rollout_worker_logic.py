@@ -21,6 +21,7 @@ from asyncrl.agents.registry import agent_params, build_agents
 from asyncrl.agents.remote import RemoteAgent
 from asyncrl.config.schema import AgentConfig
 from asyncrl.control.step_metrics import tool_call_validity
+from asyncrl.inference.protocol import Endpoint
 from asyncrl.messages import Failure, PendingGroupState, WorkerStats
 from asyncrl.recipe_hooks import RecipeHooks
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
@@ -643,3 +644,44 @@ def test_a_group_that_cannot_end_is_counted_and_the_prompt_account_sees_it_lost(
     account.admit([problems[0].prompt_id], {}, 0)
     with pytest.raises(InvariantBroken, match="1 running prompts are neither queued nor in a worker"):
         account.check(0, held=set(worker.pending_prompts()))
+
+
+@pytest.mark.attack
+def test_a_remote_answer_past_its_cap_is_refused_without_reading_the_rest(cfg, monkeypatch):
+    """The remote agent read a whole answer, however long; now at most params.max_answer_mb."""
+    import http.server
+
+    sent = {"bytes": 0}
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # 64 MiB of a JSON string, unless the client stops reading
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(64 << 20))
+            self.end_headers()
+            try:
+                self.wfile.write(b'{"groups": "')
+                for _ in range(64):
+                    self.wfile.write(b"x" * (1 << 20))
+                    sent["bytes"] += 1 << 20
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("ASYNCRL_ENV_TOKEN", "t")
+    spec = AgentConfig(env_id="far", type="remote", weight=1.0,
+                       params={"url": f"http://127.0.0.1:{server.server_port}", "max_answer_mb": 1})
+    remote = RemoteAgent(spec, agent_params(spec), AgentSettings.of(cfg))
+    try:
+        with pytest.raises(RuntimeError, match=r"answered more than 1 MiB \(params.max_answer_mb\)"):
+            remote.load_splits()
+        with pytest.raises(RuntimeError, match=r"answered more than 1 MiB"):
+            asyncio.run(remote.grouped_rollout(Problem("far:0", "", "q", "q", ""), 2,
+                                               SimpleNamespace(endpoint=Endpoint("http://127.0.0.1:9", "m"))))
+    finally:
+        server.shutdown()
+    assert sent["bytes"] < 64 << 20  # the rest was never read

@@ -455,6 +455,28 @@ def test_byte_range_past_the_shard_is_refused_before_it_is_read(tmp_path):
 
 
 @pytest.mark.attack
+@pytest.mark.parametrize("kind", ["sparse", "appended"])
+def test_a_shard_longer_than_its_metadata_declares_is_refused_before_it_is_read(tmp_path, kind):
+    """A shard 512 MiB long with 12 KiB on disk, its items declaring a few bytes, loaded and cost +515 MiB
+    of RSS. A shard holds its items back to back and nothing else."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    root = tiny_dcp(tmp_path / "ckpt")
+    shard = root / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        if kind == "sparse":
+            f.truncate(512 << 20)
+        else:
+            f.seek(0, 2)
+            f.write(b"x" * 100)
+    why = f"it is sparse: {512 << 20} bytes long with " if kind == "sparse" else \
+        f"it is {size + 100} bytes; its .metadata declares {size}"
+    with pytest.raises(CheckpointRefused, match=re.escape(f"checkpoint {shard} refused: {why}")):
+        load_tiny_dcp(root)
+
+
+@pytest.mark.attack
 @pytest.mark.parametrize("pickled,why", [
     (b"\x80\x02N" + b"r" + struct.pack("<I", 2 ** 32 - 1) + b".", "it puts object number 4294967295 in its memo"),
     (b"\x80\x04\x8e" + struct.pack("<Q", HUGE) + b"x.", "it is not a well-formed pickle"),
@@ -544,25 +566,89 @@ def test_the_drivers_checkpoint_files_linked_to_dev_zero_are_refused(tmp_path, n
         RunCheckpoint.read(tmp_path)
 
 
+CRAFTED_SAMPLES = {  # what a crafted queue.json can hold that numpy would have read as numbers, or too large
+    "token id of 2**70": {"token": 2**70},
+    "token id as a string": {"token": "3"},
+    "token id as a float": {"token": 3.5},
+    "reward of 1e200": {"reward": 1e200},
+    "NaN teacher logprob": {"teacher": "NaN"},
+}
+
+
 @pytest.mark.attack
-def test_a_crafted_queue_in_a_checkpoint_is_dropped_before_it_is_trained(tmp_path):
-    """queue.json's groups are trained as they are: a group the trust checks refuse (here a token
-    id of 2**70, which would crash the train step) is dropped and its prompt starts again."""
+@pytest.mark.parametrize("what", CRAFTED_SAMPLES)
+def test_a_crafted_queue_in_a_checkpoint_is_dropped_before_it_is_trained(tmp_path, what):
+    """queue.json's groups are trained as they are: a group the trust checks refuse (by type, then by
+    value: a token id of 2**70 or "3" would crash the train step, a reward of 1e200 overflow it) is
+    dropped and its prompt starts again. A NaN anywhere refuses the file."""
     from asyncrl.control.run_checkpoint import drop_untrainable
     from asyncrl.messages import QueueState
     from asyncrl.rollout.trust import TrajectoryLimits
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_json
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
-    def group(name, token):
-        trajs = [Trajectory(name, name, [1, 2], [Segment.from_policy([token], [-1.0], 0)], reward=float(i))
-                 for i in range(2)]
+    def group(name, token=3, reward=0.0, teacher=-1.0):
+        trajs = [Trajectory(name, name, [1, 2], [Segment.from_policy([token], [-1.0], 0)], reward=reward + i,
+                            teacher_logprobs=[teacher]) for i in range(2)]
         return TrajectoryGroup(name, name, trajs)
 
-    queue = QueueState([group("honest", 3), group("crafted", 2**70)], produced=2, consumed=0, staleness_histogram={})
-    saved = json.loads(json.dumps(queue.to_dict()))
-    restored = QueueState.from_dict(saved)
+    queue = QueueState([group("honest"), group("crafted", **CRAFTED_SAMPLES[what])], produced=2, consumed=0,
+                       staleness_histogram={})
+    (tmp_path / "queue.json").write_text(json.dumps(queue.to_dict()).replace('"NaN"', "NaN"))
+    if what == "NaN teacher logprob":
+        with pytest.raises(CheckpointRefused, match="queue.json refused: it holds NaN"):
+            read_checkpoint_json(tmp_path / "queue.json", None)
+        return
+    restored = QueueState.from_dict(read_checkpoint_json(tmp_path / "queue.json", None))
     assert drop_untrainable(restored, TrajectoryLimits(vocab_size=64)) == ["crafted"]
     assert [g.group_id for g in restored.groups] == ["honest"]
+
+
+def _sparse(path, length: int = 1 << 30) -> None:
+    with open(path, "wb") as f:
+        f.write(b"{")
+        f.truncate(length)  # a hole: 1 GiB long, a few KiB on disk
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("name", ["ledger.json", "queue.json", "loops.json", "run_state.json"])
+def test_a_sparse_driver_file_is_refused_before_it_is_read(tmp_path, name):
+    """A file 1 GiB long with 4 KiB on disk was read whole before it was refused (+1.0-1.3 GiB RSS)."""
+    from asyncrl.control.run_checkpoint import RunCheckpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    for other in ("run_state.json", "queue.json", "ledger.json", "loops.json"):
+        (tmp_path / other).write_text("{}")
+    _sparse(tmp_path / name)
+    with pytest.raises(CheckpointRefused, match=f"{name} refused: it is sparse: 1073741824 bytes long with "):
+        RunCheckpoint.read(tmp_path)  # refused when opened, before a byte is read
+
+
+@pytest.mark.attack
+def test_a_ledger_past_its_cap_is_refused_before_it_is_read(tmp_path):
+    from asyncrl.control.run_checkpoint import FILE_CAPS, RunCheckpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    for other in ("run_state.json", "queue.json", "loops.json"):
+        (tmp_path / other).write_text("{}")
+    (tmp_path / "ledger.json").write_bytes(b" " * (FILE_CAPS["ledger.json"] + 1))  # on disk: not sparse
+    with pytest.raises(CheckpointRefused, match=r"ledger\.json refused: it is \d+ bytes; this file is at most"):
+        RunCheckpoint.read(tmp_path)
+
+
+@pytest.mark.attack
+def test_a_driver_file_of_another_shape_is_refused_naming_it(tmp_path):
+    """A crafted run_state.json or queue.json used to raise a bare KeyError or TypeError."""
+    from asyncrl.control.run_checkpoint import RunCheckpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    account = {"states": {}, "reasons": {}, "trained": [], "rejected": 0, "duplicates_dropped": 0}
+    (tmp_path / "ledger.json").write_text(json.dumps(account))
+    (tmp_path / "loops.json").write_text("[]")
+    (tmp_path / "queue.json").write_text('{"groups": [{"group_id": "g"}], "produced": 0, "consumed": 0}')
+    (tmp_path / "run_state.json").write_text('{"step": 1}')
+    with pytest.raises(CheckpointRefused, match=r"run_state\.json refused: KeyError: 'base_eval'"):
+        RunCheckpoint.read(tmp_path)
 
 
 @pytest.mark.attack

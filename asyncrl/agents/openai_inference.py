@@ -85,9 +85,9 @@ class OpenAIInference(InferenceInterface):
             async with self._client().stream("POST", "/completions", json=body,
                                              headers={"X-Request-Id": request_id}) as response:
                 if response.status_code != 200:
-                    logger.warning("%s answered %d: %r", where, response.status_code, await _head(response, 500))
+                    logger.warning("%s answered %d: %r", where, response.status_code, await read_head(response, 500))
                     raise RuntimeError(f"{where} answered {response.status_code}")
-                raw = await _head(response, MAX_REPLY_BYTES + 1)
+                raw = await read_head(response, MAX_REPLY_BYTES + 1)
         if len(raw) > MAX_REPLY_BYTES:
             raise RuntimeError(f"{where} answered more than {MAX_REPLY_BYTES} bytes")
         try:
@@ -125,7 +125,7 @@ class OpenAIInference(InferenceInterface):
             await client.aclose()
 
 
-async def _head(response: httpx.Response, limit: int) -> bytes:
+async def read_head(response: httpx.Response, limit: int) -> bytes:
     """The first `limit` bytes of the response's body (the rest is not read)."""
     out = bytearray()
     async for chunk in response.aiter_bytes():

@@ -13,6 +13,7 @@ and come back scored, with their token ids, logprobs and policy versions.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from asyncrl.agents.api import (
     ProblemsRequest,
     Split,
 )
+from asyncrl.agents.openai_inference import read_head
 from asyncrl.config.schema import AgentConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.tasks import Problem
@@ -46,6 +48,9 @@ class RemoteParams:
     remote_env_id: str = ""  # the env id on the server; empty: this agent's env_id
     token_env: str = "ASYNCRL_ENV_TOKEN"  # the environment variable holding the server's bearer token
     timeout_s: float = 600.0
+    # The most of an answer read (a group of n trajectories of engine.max_model_len tokens is
+    # ~30 bytes a token as JSON); a longer one is a failed request, the rest never read.
+    max_answer_mb: int = 256
 
 
 class RemoteError(RuntimeError):
@@ -72,26 +77,42 @@ class RemoteAgent(Agent):
     # Requests go out as the api's request dataclasses, which are the server's bodies: the JSON
     # a client sends and the fields a server accepts are one definition.
     def _post_sync(self, path: str, request: _Request) -> Any:
+        limit = self.params.max_answer_mb << 20
         try:
-            r = httpx.post(self.params.url.rstrip("/") + path, json=asdict(request), headers=self._headers(),
-                           timeout=self.params.timeout_s)
+            with httpx.stream("POST", self.params.url.rstrip("/") + path, json=asdict(request),
+                              headers=self._headers(), timeout=self.params.timeout_s) as r:
+                body = bytearray()
+                for chunk in r.iter_bytes():
+                    body += chunk
+                    if len(body) > limit:
+                        break
         except httpx.HTTPError as e:
             raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
-        return self._check(path, r)
+        return self._answer(path, r.status_code, bytes(body), limit)
 
     async def _post(self, path: str, request: _Request) -> Any:
+        limit = self.params.max_answer_mb << 20
         try:
             async with httpx.AsyncClient(timeout=self.params.timeout_s) as client:
-                r = await client.post(self.params.url.rstrip("/") + path, json=asdict(request),
-                                      headers=self._headers())
+                async with client.stream("POST", self.params.url.rstrip("/") + path, json=asdict(request),
+                                         headers=self._headers()) as r:
+                    body = await read_head(r, limit + 1)
         except httpx.HTTPError as e:
             raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path}: {type(e).__name__}: {e}") from None
-        return self._check(path, r)
+        return self._answer(path, r.status_code, body, limit)
 
-    def _check(self, path: str, r: httpx.Response) -> Any:
-        if r.status_code != 200:
-            raise RemoteError(f"env {self.env_id!r}: {self.params.url}{path} answered {r.status_code}: {r.text[:500]}")
-        return r.json()
+    def _answer(self, path: str, status: int, body: bytes, limit: int) -> Any:
+        """The answer's JSON; a refusal, an answer past `limit` bytes or one that is not JSON raise."""
+        where = f"env {self.env_id!r}: {self.params.url}{path}"
+        if status != 200:
+            raise RemoteError(f"{where} answered {status}: {body[:500].decode(errors='replace')}")
+        if len(body) > limit:
+            raise RemoteError(f"{where} answered more than {self.params.max_answer_mb} MiB "
+                              "(params.max_answer_mb): the rest was not read")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as e:
+            raise RemoteError(f"{where} answered 200 with a body that is not JSON ({type(e).__name__})") from None
 
     # -- the agent API over HTTP ----------------------------------------------------------
 

@@ -29,9 +29,13 @@ from asyncrl.evaluation import EvalResult
 from asyncrl.messages import PendingGroupState, QueueState
 from asyncrl.rollout.admission import PromptAccountState
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
-from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_bytes
+from asyncrl.trainer.safe_checkpoint import STATE_JSON_MAX_BYTES, CheckpointRefused, read_checkpoint_json
 
 logger = logging.getLogger(__name__)
+
+# The most each of the driver's files may hold, read before it is parsed (queue.json and loops.json
+# hold trajectories, which grow with the run's batch and context: not capped, but never sparse).
+FILE_CAPS = {"run_state.json": STATE_JSON_MAX_BYTES, "ledger.json": 256 << 20}
 
 
 @dataclass
@@ -46,8 +50,8 @@ class RunState:
     syncs_deferred: int = 0  # weight syncs evaluations held back so far (admission counts them as done)
 
     @classmethod
-    def from_json(cls, text: str) -> RunState:
-        d = json.loads(text)
+    def from_dict(cls, d: dict[str, Any]) -> RunState:
+        d = dict(d)
         base = d.pop("base_eval")
         base["pass_at_k"] = {int(k): v for k, v in base["pass_at_k"].items()}  # JSON keys are strings
         return cls(**d, base_eval=EvalResult(**base))
@@ -72,19 +76,27 @@ class RunCheckpoint:
     @classmethod
     def read(cls, path: Path) -> RunCheckpoint:
         """From `write`'s files, each read as a regular file (no link to /dev/zero or to another
-        file: asyncrl/trainer/safe_checkpoint.py); what they hold is checked where it is used (the
-        samples by asyncrl/rollout/trust.py when the workers restore them)."""
+        file, not sparse, within its cap: asyncrl/trainer/safe_checkpoint.py), every number in it
+        finite; a file of another shape is refused naming it. What they hold is checked where it is
+        used (the samples by asyncrl/rollout/trust.py, by type then by value, when the queue and
+        the workers restore them)."""
         names = ["run_state.json", "queue.json", "ledger.json", *(["loops.json"] if (path / "loops.json").exists()
                                                                   else [])]
-        raw = {name: read_checkpoint_bytes(path / name) for name in names}  # every file checked before any is parsed
-        loops = [PendingGroupState.from_dict(g) for g in json.loads(raw.get("loops.json", b"[]"))]
-        try:
-            prompts = PromptAccountState.from_dict(json.loads(raw["ledger.json"]))
-        except ValueError as e:
-            raise CheckpointRefused(f"checkpoint {path / 'ledger.json'} refused: {e}") from None
-        return cls(state=RunState.from_json(raw["run_state.json"].decode()),
-                   queue=QueueState.from_dict(json.loads(raw["queue.json"])), loops=loops,
-                   prompts=prompts)
+        # every file checked before any is parsed
+        raw = {name: read_checkpoint_json(path / name, FILE_CAPS.get(name)) for name in names}
+
+        def parsed(name: str, parse: Callable[[Any], Any]) -> Any:
+            try:
+                return parse(raw[name])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # not the shape `write` gives it
+                why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+                raise CheckpointRefused(f"checkpoint {path / name} refused: {why}") from None
+
+        loops = parsed("loops.json", lambda d: [PendingGroupState.from_dict(g) for g in d]) if "loops.json" in raw \
+            else []
+        prompts = parsed("ledger.json", PromptAccountState.from_dict)
+        return cls(state=parsed("run_state.json", RunState.from_dict), queue=parsed("queue.json", QueueState.from_dict),
+                   loops=loops, prompts=prompts)
 
 
 def drop_untrainable(queue: QueueState, limits: TrajectoryLimits) -> list[str]:

@@ -49,6 +49,12 @@ TRAINER_STATE_FORMAT = 1
 # bytes: the format's names). Thousands of times either, and harmless to read whole.
 STATE_JSON_MAX_BYTES = 1 << 20
 
+# A file holding fewer bytes on disk than this share of its length is sparse (holes read as zeros,
+# costing memory but no disk): a checkpoint asyncrl or megatron writes has none. Compressing file
+# systems store weights at ~0.9x; zeros-heavy files of a small length are allowed whatever they hold.
+SPARSE_MIN_ALLOCATED_SHARE = 1 / 8
+SPARSE_CHECKED_FROM_BYTES = 1 << 20
+
 # Every class torch 2.13's DCP pickles into `.metadata` (megatron-core 0.16.1's torch_dist
 # strategy adds none; _StoragePrefix and BytesIOWriteData appear only in DCP's other save modes),
 # as (module, name). torch dtypes, layouts and memory formats (constants, not callables) are
@@ -122,11 +128,22 @@ def open_checkpoint_file(path: str | os.PathLike) -> BinaryIO:
             raise refused(path, "it is a symbolic link; checkpoint files are read as regular files only") from None
         raise
     try:
-        _refuse_unless_regular(path, os.fstat(fd).st_mode)  # what is read is the file checked
+        st = os.fstat(fd)
+        _refuse_unless_regular(path, st.st_mode)  # what is read is the file checked
+        _refuse_sparse(path, st)
     except BaseException:
         os.close(fd)
         raise
     return os.fdopen(fd, "rb", buffering=0)
+
+
+def _refuse_sparse(path: str | os.PathLike, st: os.stat_result) -> None:
+    """A file much longer than what it holds on disk is refused before it is read: reading it would
+    cost its length in memory (holes read as zeros) for a few KiB of disk."""
+    on_disk = st.st_blocks * 512
+    if st.st_size >= SPARSE_CHECKED_FROM_BYTES and on_disk < st.st_size * SPARSE_MIN_ALLOCATED_SHARE:
+        raise refused(path, f"it is sparse: {st.st_size} bytes long with {on_disk} on disk; checkpoint files "
+                            "hold every byte they declare")
 
 
 def read_checkpoint_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
@@ -275,8 +292,17 @@ def check_dcp_storage(metadata: Any, ckpt_dir: str | os.PathLike) -> None:
         path = Path(ckpt_dir) / name
         with open_checkpoint_file(path) as f:
             size = os.fstat(f.fileno()).st_size
-        for info in infos:
-            check_range(path, size, info.offset, info.length)
+        check_shard(path, size, infos)
+
+
+def check_shard(path: str | os.PathLike, size: int, infos: list[Any]) -> None:
+    """A shard of `size` bytes holds exactly the byte ranges (`_StorageInfo`s) its metadata declares
+    of it: each within it, and nothing after the last (torch writes them back to back)."""
+    for info in infos:
+        check_range(path, size, info.offset, info.length)
+    declared = max((info.offset + info.length for info in infos), default=0)
+    if size != declared:
+        raise refused(path, f"it is {size} bytes; its .metadata declares {declared}")
 
 
 # -- torch.save archives (common.pt, the items of the .distcp shards) ------------------------------
@@ -367,9 +393,9 @@ def _refuse_constant(name: str) -> Any:
     raise _NotFinite(name)  # NaN, Infinity, -Infinity: JSON's extensions that Python accepts
 
 
-def read_checkpoint_json(path: str | os.PathLike, max_bytes: int = STATE_JSON_MAX_BYTES) -> Any:
-    """A small JSON file of a checkpoint (`read_checkpoint_bytes`, at most `max_bytes`), every
-    number in it finite."""
+def read_checkpoint_json(path: str | os.PathLike, max_bytes: int | None = STATE_JSON_MAX_BYTES) -> Any:
+    """A JSON file of a checkpoint (`read_checkpoint_bytes`, at most `max_bytes`; None: any length),
+    every number in it finite."""
     data = read_checkpoint_bytes(path, max_bytes)
     try:
         return json.loads(data, parse_float=_finite, parse_constant=_refuse_constant)

@@ -46,6 +46,7 @@ from asyncrl.trainer.safe_checkpoint import (
     CheckpointRefused,
     FileRange,
     check_dcp_storage,
+    check_shard,
     check_torch_zip,
     forced_weights_only,
     load_weights_only,
@@ -83,10 +84,14 @@ class SafeFileSystemReader(FileSystemReader):
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        declared: dict[str, list[Any]] = {}
+        for info in self.storage_data.values():
+            declared.setdefault(info.relative_path, []).append(info)
         for name, items in by_file.items():
             path = Path(self.path) / name
             with open_checkpoint_file(path) as f:
-                # Every range against this file's size (FileRange refuses one past it), then the reads.
+                # The shard is what its metadata declares, no longer; every range within it; then the reads.
+                check_shard(path, os.fstat(f.fileno()).st_size, declared[name])
                 parts = [FileRange(f, path, info.offset, info.length)
                          for info in (self.storage_data[item.storage_index] for item in items)]
                 for item, part in zip(items, parts):
