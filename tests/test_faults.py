@@ -20,8 +20,8 @@ class Rank:
     """A trainer rank's stand-in: `step(mode)` answers, raises (a bug), dies after a moment, or
     raises at once as a rank does whose collective broke because its peer is dying."""
 
-    def address(self) -> tuple[str, int]:
-        return "127.0.0.1", 0
+    def node_id(self) -> str:
+        return ""
 
     def step(self, mode: str) -> str:
         if mode == "die":

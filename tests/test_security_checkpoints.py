@@ -294,15 +294,42 @@ def test_restricted_unpickler_refuses_any_other_global(tmp_path):
 def test_trainer_state_must_be_the_json_asyncrl_writes(tmp_path):
     from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_trainer_state, write_trainer_state
 
-    scheduler = {"max_lr": 1e-4, "num_steps": 3, "lr_decay_style": "constant"}
-    write_trainer_state(tmp_path, 3, scheduler)
-    assert read_trainer_state(tmp_path) == (3, scheduler)
+    write_trainer_state(tmp_path, 3, SCHEDULER)
+    assert read_trainer_state(tmp_path) == (3, SCHEDULER)
     for bad in ['{"format": 1, "step": "3", "scheduler": {}}', '{"format": 1, "step": 3, "scheduler": {"a": [1]}}',
                 '{"format": 2, "step": 3, "scheduler": {}}', "[1]", "{"]:
         (tmp_path / "trainer_state.json").write_text(bad)
         with pytest.raises(CheckpointRefused) as info:
             read_trainer_state(tmp_path)
         assert "\n" not in str(info.value) and str(info.value).startswith(f"checkpoint {tmp_path}/trainer_state.json")
+
+
+# megatron-core 0.16.1's OptimizerParamScheduler.state_dict(), as a run with the defaults writes it
+SCHEDULER = {"max_lr": 1e-4, "lr_warmup_steps": 0, "num_steps": 3, "lr_decay_style": "constant",
+             "lr_decay_steps": 100, "min_lr": 0.0, "start_wd": 0.0, "end_wd": 0.0, "wd_incr_style": "constant",
+             "wd_incr_steps": 100}
+
+
+@pytest.mark.attack
+@pytest.mark.parametrize("change,why", [
+    ({"max_lr": 1e308}, "scheduler.max_lr: Input should be less than or equal to 1"),
+    ({"min_lr": -1.0}, "scheduler.min_lr: Input should be greater than or equal to 0"),
+    ({"num_steps": 10**15}, "scheduler.num_steps: Input should be less than or equal to 1000000000000"),
+    ({"lr_warmup_steps": 2.5}, "scheduler.lr_warmup_steps: Input should be a valid integer"),
+    ({"lr_decay_style": "exponential"}, "scheduler.lr_decay_style: Input should be 'constant'"),
+    ({"start_wd": "0"}, "scheduler.start_wd: Input should be a valid number"),
+    ({"extra": 1}, "scheduler.extra: Extra inputs are not permitted"),
+], ids=["max_lr", "min_lr", "num_steps", "warmup-float", "style", "wd-string", "extra-key"])
+def test_trainer_state_numbers_out_of_range_are_refused(tmp_path, change, why):
+    """A finite but absurd max_lr (1e308) became the optimizer's learning rate."""
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_trainer_state, write_trainer_state
+
+    write_trainer_state(tmp_path, 3, {**SCHEDULER, **change})
+    with pytest.raises(CheckpointRefused, match=re.escape(why)):
+        read_trainer_state(tmp_path)
+    write_trainer_state(tmp_path, 10**13, SCHEDULER)
+    with pytest.raises(CheckpointRefused, match="step 10000000000000 is not a count of steps"):
+        read_trainer_state(tmp_path)
 
 
 # -- a checkpoint asks for no more memory than it holds, without a trainer -------------------------

@@ -3,7 +3,10 @@ tensor parallelism, and distributed checkpoints across tensor-parallel sizes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,10 +58,26 @@ def test_export_without_training_is_the_hf_checkpoint_and_logits_match(ray_clust
     assert all(torch.equal(state[k], original[k]) for k in original)
 
 
+def check_world_store(group) -> None:
+    """The trainer world's store (torch's TCPStore, rank 0's) listens on loopback only, not on every
+    interface, and an outsider who finds it lists only names sealed with the formation's secret
+    (asyncrl/sync/group_store.py): the trainer's own rendezvous, as the weight group's."""
+    from datetime import timedelta
+
+    from asyncrl.sync.group_store import LOOPBACK, NAME_PREFIX
+    from tests.test_security_weight_sync import _listening
+
+    port = ray.get(group.ranks[0].__ray_call__.remote(lambda r: r._world_store.store.port))
+    assert _listening(port) == [LOOPBACK]
+    outsider = torch.distributed.TCPStore(LOOPBACK, port, None, is_master=False, timeout=timedelta(seconds=30))
+    names = outsider.list_keys()
+    assert names and all(re.fullmatch(re.escape(NAME_PREFIX) + "[0-9a-f]{32}", n) for n in names), names
+
+
 def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_cluster, tokenizer, tmp_path):
-    """Same data, TP=1 vs TP=2 (two gloo processes), PPO with a critic (gae): same losses, grad
-    norms, weights and critic metrics; a TP=2 distributed checkpoint then loads into a TP=1
-    trainer unchanged, its critic and both optimizers too (the next step is TP=2's next step)."""
+    """Same data, TP=1 vs TP=2 (two gloo processes, their world's store sealed on loopback), PPO with a
+    critic (gae): same losses, grad norms, weights and critic metrics; a TP=2 distributed checkpoint then
+    loads into a TP=1 trainer unchanged, its critic and both optimizers too (the next step is TP=2's next step)."""
     steps = [make_groups(tokenizer, seed=s) for s in range(3)]
     overrides = ["trainer.lr=1e-3", "trainer.micro_batch_size=4", "algorithm.advantage=gae",
                  "algorithm.critic.lr=3e-3", "algorithm.critic.lam=0.9"]
@@ -70,6 +89,7 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
     m1, w1 = run_trainer(overrides, train)
 
     def train_and_save(group):
+        check_world_store(group)
         result = train(group)
         group.save_checkpoint(str(tmp_path / "ckpt_tp2"))
         values = group.on_ranks(lambda r: r.critic_values.remote(steps[2]))

@@ -37,9 +37,10 @@ import stat
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Annotated, Any, BinaryIO, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_STATE_FORMAT = 1
@@ -424,9 +425,35 @@ def read_trainer_state(ckpt_dir: str | os.PathLike) -> tuple[int, dict[str, Any]
     if state["format"] != TRAINER_STATE_FORMAT:
         raise refused(path, f"format {state['format']!r}; this asyncrl reads format {TRAINER_STATE_FORMAT}")
     step, scheduler = state["step"], state["scheduler"]
-    if type(step) is not int or step < 0:
+    if type(step) is not int or not 0 <= step <= MAX_COUNT:
         raise refused(path, f"step {step!r} is not a count of steps")
-    if not isinstance(scheduler, dict) or not all(
-            v is None or isinstance(v, (bool, int, float, str)) for v in scheduler.values()):
+    if not isinstance(scheduler, dict):
         raise refused(path, "the scheduler's state must map names to numbers or strings")
+    try:
+        _SchedulerState.model_validate(scheduler)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        raise refused(path, f"scheduler.{'.'.join(str(x) for x in error['loc'])}: {error['msg']}") from None
     return step, scheduler
+
+
+# What megatron-core 0.16.1's OptimizerParamScheduler.state_dict holds: its numbers within what a run can
+# have set (the learning rate the optimizer takes from it: 1e308 was accepted), its styles by name.
+MAX_COUNT = 10**12  # steps or samples
+_Count = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
+_Rate = Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]  # learning rates
+_Decay = Annotated[float, Field(strict=True, ge=0, le=10, allow_inf_nan=False)]  # weight decay
+
+
+class _SchedulerState(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_lr: _Rate
+    min_lr: _Rate
+    lr_warmup_steps: _Count
+    num_steps: _Count
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+    lr_decay_steps: _Count
+    start_wd: _Decay
+    end_wd: _Decay
+    wd_incr_style: Literal["constant", "linear", "cosine"]
+    wd_incr_steps: _Count

@@ -55,10 +55,13 @@ class SimTrainerRank:
         self.step = 0
         self._lag = PolicyLag(cfg.algorithm.policy_lag)  # staged versions: no weights to keep
 
-    def address(self) -> tuple[str, int]:
+    def node_id(self) -> str:
+        return ""
+
+    def world_address(self, member_nodes: list[str]) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def setup(self, master_addr: str, master_port: int) -> TrainerSetupInfo:
+    def setup(self, master_addr: str, master_port: int, secret: str) -> TrainerSetupInfo:
         self.clock.sleep(self.sim.setup_s)
         if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
             self._lag.stage(0, None)

@@ -18,6 +18,7 @@ import ray
 
 from asyncrl.interfaces import TrainerRankHandle
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult, error_line
+from asyncrl.sync.group_store import new_group_secret
 from asyncrl.types import TrajectoryGroup
 
 # After one rank's error, how long the others are given to show whether one of them died.
@@ -66,8 +67,10 @@ class TrainerGroup:
 
     def setup(self) -> TrainerSetupInfo:
         """Form the trainer's process group (rank 0 hosts it) and load the model on every rank."""
-        host, port = ray.get(self.ranks[0].address.remote())
-        return self.get([r.setup.remote(host, port) for r in self.ranks])[0]
+        nodes = ray.get([r.node_id.remote() for r in self.ranks])
+        host, port = ray.get(self.ranks[0].world_address.remote(nodes))
+        secret = new_group_secret()  # the world's store is sealed with it, as the weight group's (group_store.py)
+        return self.get([r.setup.remote(host, port, secret) for r in self.ranks])[0]
 
     def train_step(self, groups: list[TrajectoryGroup], policy_version: int) -> TrainStepResult:
         return self.on_ranks(lambda r: r.train_step.remote(groups, policy_version))
@@ -81,7 +84,7 @@ class TrainerGroup:
 
     def check_alive(self) -> None:
         """Raises `TrainerRankDied` if a rank's process is gone."""
-        self.get([r.address.remote() for r in self.ranks])
+        self.get([r.node_id.remote() for r in self.ranks])
 
     def weight_plan(self) -> list:
         """The bucket plan of the weight broadcast, as wire data (asyncrl.sync.collective.BucketPlan)."""

@@ -51,7 +51,7 @@ from asyncrl.sync.collective import (
     pack_buckets,
     send_buckets,
 )
-from asyncrl.sync.group_store import bind_store_socket, store_host
+from asyncrl.sync.group_store import bind_store_socket, open_group_store, store_host
 from asyncrl.sync.shared_buckets import SharedBucketsWriter, device_place
 from asyncrl.trainer import lora, mbridge_compat, moe_routing
 from asyncrl.trainer.batch import (
@@ -75,16 +75,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "generation_config.json", "chat_template.jinja")
 
 
-def free_address() -> tuple[str, int]:
-    """This node's IP and a free TCP port (for a process group that this process hosts)."""
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
 class TrainerRank:
     def __init__(self, settings: TrainerSettings, rank: int, world_size: int):
         self.cfg = cfg = settings  # the run's model, trainer and algorithm sections, and a few values
@@ -96,6 +86,8 @@ class TrainerRank:
         self.step = 0
         self._weight_group = None
         self._store_socket: socket.socket | None = None  # rank 0: the weight group's, bound ahead of its store
+        self._world_socket: socket.socket | None = None  # rank 0: the trainer world's, bound ahead of its store
+        self._world_store: Any = None
         self._staged: list[torch.Tensor] | None = None  # packed buckets waiting for broadcast_weights
         # Rank 0, with a shared transport: the region the engines read the staged buckets from
         self._shared: SharedBucketsWriter | None = None
@@ -109,19 +101,39 @@ class TrainerRank:
 
     # -- setup ---------------------------------------------------------------------
 
-    def address(self) -> tuple[str, int]:
-        return free_address()
+    def node_id(self) -> str:
+        import ray
 
-    def setup(self, master_addr: str, master_port: int) -> TrainerSetupInfo:
-        """Join the trainer world, build the model from the HF checkpoint, the optimizer and schedule."""
+        return ray.get_runtime_context().get_node_id()
+
+    def world_address(self, member_nodes: list[str]) -> tuple[str, int]:
+        """Rank 0: bind the trainer world's store socket, kept for `setup`: on loopback when every
+        rank runs on this node (`member_nodes`: their Ray node ids), else on this node's address,
+        never every interface (asyncrl.sync.group_store, as the weight group's). Returns (host, port)."""
+        import ray
+
+        host = store_host(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), member_nodes)
+        if self._world_socket is not None:  # bound for a setup that never came
+            self._world_socket.close()
+        self._world_socket = bind_store_socket(host)
+        return host, self._world_socket.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, secret: str) -> TrainerSetupInfo:
+        """Join the trainer world (its store hosted by rank 0 on the socket `world_address` bound,
+        every key sealed with `secret`, this formation's), build the model from the HF checkpoint,
+        the optimizer and schedule."""
         t0 = time.monotonic()
         t = self.cfg.trainer
         # megatron-core warns about optional extras (Apex, TE, deprecated defaults) at every
         # model build, on every rank: noise in a run's console, not actionable by users.
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
         warnings.filterwarnings("ignore", message=r".*an autograd kernel was not registered.*")
+        sock, self._world_socket = self._world_socket, None
+        # Kept referenced while the world lives: torch holds a Python store by pointer only.
+        self._world_store = open_group_store(master_addr, master_port, self.rank, secret, t.dist_timeout_s,
+                                             listen_socket=sock)
         torch.distributed.init_process_group(
-            "gloo" if self.on_cpu else "nccl", init_method=f"tcp://{master_addr}:{master_port}",
+            "gloo" if self.on_cpu else "nccl", store=self._world_store,
             rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=t.dist_timeout_s))
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
