@@ -321,6 +321,13 @@ SYSCALLS = {
     "io_setup": "libc.syscall(206, 65536, ctypes.byref(ctypes.c_ulong(0)))",
     "io_submit": "libc.syscall(209, 0, 0, 0)",
     "netlink socketpair": "libc.socketpair(16, 3, 0, (ctypes.c_int * 2)())",
+    # IP sockets: TCP's kernel buffers on the sandbox's loopback are outside RLIMIT_AS (up to ~8 MiB a pair)
+    "TCP socket": "libc.socket(2, 1, 0)",
+    "UDP socket": "libc.socket(2, 2, 0)",
+    "TCP6 socket": "libc.socket(10, 1, 0)",
+    "a socket buffer past the default": "libc.setsockopt(libc.socket(1, 1, 0), 1, 7, "
+                                        "ctypes.byref(ctypes.c_int(1 << 30)), 4)",  # SOL_SOCKET, SO_SNDBUF
+    "a forced socket buffer": "libc.setsockopt(libc.socket(1, 1, 0), 1, 33, ctypes.byref(ctypes.c_int(1 << 30)), 4)",
     "vsock socketpair": "libc.socketpair(40, 1, 0, (ctypes.c_int * 2)())",
 }
 
@@ -330,6 +337,26 @@ def test_the_kernel_interfaces_code_never_needs_are_refused(what):
     out = run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nr = {SYSCALLS[what]}\n"
               "print(r, ctypes.get_errno())")
     assert out.split() == ["-1", "1"], out
+
+
+@pytest.mark.attack
+def test_socket_buffers_pin_no_more_than_the_defaults_allow():
+    """Model code under memory_mb=128 held 470 MiB in the kernel buffers of 60 loopback TCP sockets, outside
+    RLIMIT_AS. Now only AF_UNIX pairs, their buffers at the host's default: as many as RLIMIT_NOFILE lets it
+    open, filled until the kernel refuses, hold a few MiB."""
+    out = run("import socket\nqueued, pairs = 0, []\n"
+              "try:\n"
+              "    while True:\n"
+              "        a, b = socket.socketpair(); a.setblocking(False); pairs.append((a, b))\n"
+              "        for s in (a, b):\n"
+              "            s.setblocking(False)\n"
+              "            try:\n"
+              "                while True: queued += s.send(b'x' * 65536)\n"
+              "            except BlockingIOError: pass\n"
+              "except OSError as e:\n    print(len(pairs), 'pairs', queued, 'bytes', e.errno)")
+    pairs, _, queued, _, errno_ = out.split()
+    assert int(errno_) == 24 and 20 <= int(pairs) <= 32  # EMFILE: RLIMIT_NOFILE 64
+    assert int(queued) < 32 << 20, out  # ~0.2 MiB a socket, where a TCP pair took ~8 MiB
 
 
 def test_a_namespace_of_its_own_cannot_be_made_with_the_tools_on_disk():

@@ -9,7 +9,7 @@ follow every syscall a Python release, glibc or a /usr program starts to use. Wh
 kernel attack surface that RL-generated code has no use for: asynchronous I/O rings and legacy AIO,
 userfaultfd, memory outside the address-space limit (SysV IPC, memfd), keyrings (shared by every
 process of a uid), new namespaces (in which code would hold every capability), raw / packet /
-netlink / vsock and other non-IP sockets (socket and socketpair), execution domains, tracing,
+netlink / vsock and IP sockets (socket and socketpair: AF_UNIX alone, its buffers at the host's default), execution domains, tracing,
 mounts, kernel modules, BPF, perf events, and the clock / reboot / swap / quota calls. `clone3`
 answers ENOSYS, because its flags sit behind a pointer a filter cannot read; glibc then falls back
 to `clone`, whose namespace flags are checked. System calls of another ABI (i386, x32) kill the
@@ -46,11 +46,18 @@ DENIED = (
 # clone() flags that create a namespace (linux/sched.h): each refused on its own.
 CLONE_NAMESPACE_FLAGS = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                          0x40000000)  # NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
-# Socket families allowed: AF_UNIX (1), AF_INET (2), AF_INET6 (10); in the sandbox's network namespace
-# they reach nothing but themselves. Every other family (netlink 16, packet 17, vsock 40, ...) is refused,
-# and socketpair() (which reaches each family's create code too) for any family but AF_UNIX.
-ALLOWED_SOCKET_FAMILIES = (1, 2, 10)
+# Socket families allowed: AF_UNIX (1) alone (asyncio's and multiprocessing's socketpairs); in the
+# sandbox's network namespace an IP socket reaches nothing but itself, and a TCP pair on its loopback
+# pins up to ~8 MiB of kernel buffers outside RLIMIT_AS (60 sockets: 470 MiB under memory_mb=128).
+# Every other family (AF_INET 2, AF_INET6 10, netlink 16, packet 17, vsock 40, ...) is refused, and
+# socketpair() (which reaches each family's create code too) for any family but AF_UNIX.
+ALLOWED_SOCKET_FAMILIES = (1,)
 AF_UNIX = 1
+# setsockopt(SOL_SOCKET, ...) options that grow a socket's buffers past the host's default
+# (net.core.wmem_default, 208 KiB): SO_SNDBUF 7, SO_RCVBUF 8, SO_SNDBUFFORCE 32, SO_RCVBUFFORCE 33. With
+# RLIMIT_NOFILE 64, a sandboxed process pins at most ~64 x 208 KiB (13 MiB) in AF_UNIX queues.
+SOL_SOCKET = 1
+BUFFER_OPTIONS = (7, 8, 32, 33)
 MAX_SOCKET_FAMILY = 64
 SOCKET_TYPE_MASK, SOCK_RAW, SOCK_PACKET = 0xF, 3, 10
 # personality(): only the default execution domain (PER_LINUX); a filter cannot also allow the query
@@ -95,6 +102,8 @@ def filter_bpf() -> bytes:
             f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(deny, "socket", sc.Arg(0, sc.GE, MAX_SOCKET_FAMILY))
     f.add_rule(deny, "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
+    for option in BUFFER_OPTIONS:
+        f.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, SOL_SOCKET), sc.Arg(2, sc.EQ, option))
     for kind in (SOCK_RAW, SOCK_PACKET):
         f.add_rule(deny, "socket", sc.Arg(1, sc.MASKED_EQ, SOCKET_TYPE_MASK, kind))
     f.add_rule(deny, "personality", sc.Arg(0, sc.NE, PER_LINUX))
