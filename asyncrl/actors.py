@@ -18,7 +18,6 @@ by Ray at this edge; nothing below this module imports Ray's actor machinery for
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from asyncrl.reward.reward_model import RewardModelActor, RewardModelSettings
 from asyncrl.rollout.admission import StalenessController
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.sync.collective import broadcast_backend
+from asyncrl.trainer.safe_checkpoint import ADAPTER_CONFIG_MAX_BYTES, read_checkpoint_json
 from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
@@ -289,7 +289,7 @@ def create_local_engine(cfg: Config, stream: bool = False) -> EngineActor:
     """An EngineActor as a plain object in this process (no Ray): `asyncrl eval`. Not started."""
     rank = 0
     if cfg.eval.adapter:  # served as a LoRA adapter of model.path, read by vLLM from its directory
-        rank = int(json.loads((Path(cfg.eval.adapter) / "adapter_config.json").read_text())["r"])
+        rank = int(read_checkpoint_json(Path(cfg.eval.adapter) / "adapter_config.json", ADAPTER_CONFIG_MAX_BYTES)["r"])
     return EngineActor(0, cfg.model.path, cfg.model.tokenizer_path, cfg.engine, cfg.cluster.device,
                        stream_outputs=stream, lora_rank=rank, adapter_path=cfg.eval.adapter)
 

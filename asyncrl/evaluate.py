@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from asyncrl.config import CONF_DIR
 from asyncrl.run_config import validate_or_exit, validate_shown_config
+from asyncrl.trainer.safe_checkpoint import ADAPTER_CONFIG_MAX_BYTES, read_checkpoint_json
 
 
 def resolve_checkpoint(path: str) -> list[str]:
@@ -35,7 +36,8 @@ def resolve_checkpoint(path: str) -> list[str]:
     LoRA adapter (adapter_config.json: its base model, with eval.adapter)."""
     p = Path(path)
     if (p / "adapter_config.json").is_file():
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path", "")
+        config = read_checkpoint_json(p / "adapter_config.json", ADAPTER_CONFIG_MAX_BYTES)  # not sparse, capped
+        base = config.get("base_model_name_or_path", "") if isinstance(config, dict) else ""
         return [_override("model.path", str(base), p / "adapter_config.json"),
                 _override("eval.adapter", str(p.resolve()), p)]
     for candidate in (p, p / "final_policy", p / "hf"):

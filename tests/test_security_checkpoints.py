@@ -692,3 +692,16 @@ def test_a_crafted_prompt_account_in_a_checkpoint_is_refused(tmp_path):
             (tmp_path / name).write_text(text)
         with pytest.raises(CheckpointRefused, match=r"ledger\.json refused: not a prompt account"):
             RunCheckpoint.read(tmp_path)
+
+
+@pytest.mark.attack
+def test_a_sparse_adapter_config_is_refused_before_it_is_read(tmp_path):
+    """`asyncrl eval ADAPTER_DIR` read a 1 GiB sparse adapter_config.json whole (+2 GiB)."""
+    from asyncrl.evaluate import resolve_checkpoint
+    from asyncrl.trainer.safe_checkpoint import CheckpointRefused
+
+    _sparse(tmp_path / "adapter_config.json")
+    with pytest.raises(CheckpointRefused, match=r"adapter_config\.json refused: it is sparse"):
+        resolve_checkpoint(str(tmp_path))
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "/m", "r": 8}')
+    assert resolve_checkpoint(str(tmp_path))[0].endswith("/m")

@@ -49,6 +49,7 @@ TRAINER_STATE_FORMAT = 1
 # bytes: a step and megatron's dozen scheduler numbers) and megatron's metadata.json (about 120
 # bytes: the format's names). Thousands of times either, and harmless to read whole.
 STATE_JSON_MAX_BYTES = 1 << 20
+ADAPTER_CONFIG_MAX_BYTES = 1 << 20  # a PEFT adapter_config.json: about 1 KiB
 
 # A file holding fewer bytes on disk than this share of its length is sparse (holes read as zeros,
 # costing memory but no disk): a checkpoint asyncrl or megatron writes has none. Compressing file
