@@ -24,6 +24,9 @@ Lifecycle of a submitted problem:
      reward (asyncrl/rollout/reward_client.py), under the same timeout; a distillation
      teacher (algorithm.distill) adds its logprob of each response token.
   5) When all n trajectories are finished, the group goes to the sink.
+Every task ends its samples: an exception no step above handles (a bug, the sink refusing) fails
+the samples the task ran (`task_error`, counted); a group that cannot end even so is counted
+(`group_lost`) and dropped from `pending_prompts`, which the driver's prompt account then reports.
 `checkpoint()` (while interrupted) hands the driver every unfinished group: its finished
 samples and its loops' snapshots; `restore()` continues such groups, in any worker.
 A remote agent's group is one HTTP request to its env server instead (steps 2-4 happen
