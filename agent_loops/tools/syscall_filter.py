@@ -9,8 +9,9 @@ follow every syscall a Python release, glibc or a /usr program starts to use. Wh
 kernel attack surface that RL-generated code has no use for: asynchronous I/O rings and legacy AIO,
 userfaultfd, memory outside the address-space limit (SysV IPC, memfd), keyrings (shared by every
 process of a uid), new namespaces (in which code would hold every capability), raw / packet /
-netlink / vsock and IP sockets (socket and socketpair: AF_UNIX alone, its buffers at the host's default), execution domains, tracing,
-mounts, kernel modules, BPF, perf events, and the clock / reboot / swap / quota calls. `clone3`
+netlink / vsock and IP sockets (socket and socketpair: AF_UNIX alone, its buffers at the host's
+default), execution domains, tracing, mounts, kernel modules, BPF, perf events, and the clock /
+reboot / swap / quota calls. `clone3`
 answers ENOSYS, because its flags sit behind a pointer a filter cannot read; glibc then falls back
 to `clone`, whose namespace flags are checked. System calls of another ABI (i386, x32) kill the
 process (libseccomp's bad-architecture action).
