@@ -40,7 +40,7 @@ def _first(group):
 CORRUPTIONS = [
     ("a NaN reward", lambda g: _first(g).update(reward=float("nan")), "reward nan is not a finite number"),
     ("a NaN logprob", lambda g: _first(g)["segments"][0]["logprobs"].__setitem__(0, float("nan")),
-     "logprobs that are not finite numbers"),
+     "segments.0.logprobs.0: Input should be a finite number"),
     ("a token id of 2**70", lambda g: _first(g)["segments"][0]["token_ids"].__setitem__(0, 2**70),
      "token ids outside the vocabulary"),
     ("routes for a dense model", lambda g: _first(g).update(routes={"data": "AAAA", "layers": 1, "top_k": 2}),

@@ -282,12 +282,12 @@ def _check_trainer(c: Config, problems: list[str], need, at_least, one_of, withi
     one_of("trainer.recompute", t.recompute, RECOMPUTE)
     for name in ("mini_batches_per_step", "total_steps"):
         at_least(f"trainer.{name}", getattr(t, name), 1)
-    need(t.lr > 0, "trainer.lr", t.lr, "must be > 0 (e.g. 1e-4)")
+    need(0 < t.lr <= 1, "trainer.lr", t.lr, "must be in (0, 1] (e.g. 1e-4; a checkpoint holds no other)")
     if math.isfinite(t.lr):  # a bad lr is reported once, above
         need(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
     one_of("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     at_least("trainer.warmup_steps", t.warmup_steps, 0)
-    at_least("trainer.weight_decay", t.weight_decay, 0)
+    within("trainer.weight_decay", t.weight_decay, 0, 10, "a checkpoint holds no other")
     at_least("trainer.grad_clip", t.grad_clip, 0, "0 disables clipping")
     at_least("trainer.checkpoint_every", t.checkpoint_every, 0, "0: only at the end")
     need(t.num_cpus_per_rank > 0, "trainer.num_cpus_per_rank", t.num_cpus_per_rank, "must be > 0")
