@@ -79,6 +79,7 @@ def test_a_trainer_rank_that_dies_in_a_sync_is_found_while_the_engines_still_wai
     try:
         sync = WeightSync(TrainerGroup([rank]), [engine], "gloo")
         sync.connected = True  # nothing travels: the stand-ins need no broadcast group
+        ray.get([rank.node_id.remote(), engine.__ray_ready__.remote()])  # started: what is timed is the sync
         t0 = time.monotonic()
         with pytest.raises(TrainerRankDied, match="trainer rank 0 died"):
             sync.sync(1)
