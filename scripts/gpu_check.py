@@ -68,12 +68,13 @@ def free_port() -> int:
 
 def build_trainer(device: str):
     from asyncrl.config import compose, validate
+    from asyncrl.sync.group_store import new_group_secret
     from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
     cfg = validate(compose(overrides(device)))
     rank = TrainerRank(TrainerSettings.of(cfg), 0, 1)
-    rank.setup("127.0.0.1", free_port())
+    rank.setup("127.0.0.1", free_port(), new_group_secret())  # rank 0 of 1 binds its world's store itself
     return cfg, rank
 
 

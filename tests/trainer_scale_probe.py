@@ -40,6 +40,7 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
 
     from asyncrl.bench.trainer import SHAPES, synthetic_groups
     from asyncrl.run_config import load_config
+    from asyncrl.sync.group_store import new_group_secret
     from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
@@ -50,7 +51,7 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rank.setup("127.0.0.1", port)
+    rank.setup("127.0.0.1", port, new_group_secret())  # rank 0 of 1 binds its world's store itself
     groups = synthetic_groups(1, n, seq_len, SHAPES["tiny"]["vocab_size"])
     watch = SquareWatch(row)
     with watch:
