@@ -35,7 +35,7 @@ from pydantic import ConfigDict, Field, GetPydanticSchema
 
 from agent_loops.chat import load_named_template, prompt_token_ids
 from asyncrl.clock import Clock
-from asyncrl.config.schema import AgentConfig, Config, ToolsConfig
+from asyncrl.config.schema import DEFAULT_MAX_ABS_REWARD, AgentConfig, Config, ToolsConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.messages import Failure
 from asyncrl.metrics import pass_at_k
@@ -240,7 +240,7 @@ class AgentSettings:
     time_scale: float  # cluster.time_scale
     reward_timeout_s: float  # rollout.reward_timeout_s
     recipe_module: str  # recipe.module: the hooks of dataset agents that name none
-    max_abs_reward: float = 1e6  # reward.max_abs: a reward past it is a failure (as a NaN is)
+    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD  # reward.max_abs: a reward past it is a failure (as a NaN is)
 
     @classmethod
     def of(cls, cfg: Config) -> AgentSettings:

@@ -36,6 +36,7 @@ AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_AMX = ("auto", "off", "assume")
+DEFAULT_MAX_ABS_REWARD = 1e6  # reward.max_abs
 WANDB_MODES = ("offline", "online", "disabled")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 SANDBOX_ISOLATIONS = ("bwrap", "none")
@@ -460,7 +461,7 @@ class RewardConfig:
     env_weight: float = 1.0  # the weight of the env's own reward (its rule or hook) beside the services'
     # |reward| past this is a counted failure (reward 0), from a reward function, a service or an env
     # server, and refused in a checkpoint: 1e200 overflows a group's variance, 1e308 its mean.
-    max_abs: float = 1e6
+    max_abs: float = DEFAULT_MAX_ABS_REWARD
 
 
 @dataclass

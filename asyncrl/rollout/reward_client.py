@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncrl.agents.api import load_tokenizer
-from asyncrl.config.schema import JudgeConfig
+from asyncrl.config.schema import DEFAULT_MAX_ABS_REWARD, JudgeConfig
 from asyncrl.interfaces import EngineHandle, RewardModelHandle, TeacherEngineHandle
 from asyncrl.messages import Failure, RewardRequest, error_line
 from asyncrl.rollout.router import EngineRouter
@@ -170,7 +170,7 @@ class RewardServices:
     logprobs are no score)."""
 
     def __init__(self, env_weight: float, timeout_s: float, services: list[tuple[Client, float | None]],
-                 max_abs_reward: float = 1e6):
+                 max_abs_reward: float = DEFAULT_MAX_ABS_REWARD):
         self.env_weight, self.timeout_s, self.services = env_weight, timeout_s, services
         self.max_abs_reward = max_abs_reward  # reward.max_abs
         self.stats = {client.name: ServiceStats() for client, _ in services}

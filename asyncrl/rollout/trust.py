@@ -24,9 +24,8 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictBytes, StrictInt, StrictStr, ValidationError
 
+from asyncrl.config.schema import DEFAULT_MAX_ABS_REWARD
 from asyncrl.types import Trajectory, TrajectoryGroup
-
-DEFAULT_MAX_ABS_REWARD = 1e6  # reward.max_abs
 
 
 @dataclass(frozen=True)
