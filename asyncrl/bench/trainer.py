@@ -143,6 +143,7 @@ def gpu_busy_profile(rank, groups: list, version: int) -> tuple[float, list[list
 
 
 def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
+    from asyncrl.sync.group_store import new_group_secret
     from asyncrl.trainer.settings import TrainerSettings
     from asyncrl.trainer.trainer_rank import TrainerRank
 
@@ -156,7 +157,7 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        info = rank.setup("127.0.0.1", port)
+        info = rank.setup("127.0.0.1", port, new_group_secret())  # rank 0 of 1 binds its world's store itself
         device = rank.device
         groups = synthetic_groups(bench.train_groups, bench.n_samples, bench.seq_len, shape["vocab_size"])
         tokens_per_step = bench.train_groups * bench.n_samples * bench.seq_len
