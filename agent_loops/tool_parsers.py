@@ -44,10 +44,12 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolParser:
     """Finds the calls in one assistant turn's text; `stop` are the stop strings that end a
-    generation at a complete call (kept in the output)."""
+    generation at a complete call (kept in the output); `opening` starts every call (the chat
+    endpoint's answer text is what comes before the first)."""
 
     name: str
     parse: Callable[[str], list[ToolCall]]
+    opening: str
     stop: tuple[str, ...] = ()
 
 
@@ -97,8 +99,8 @@ def parse_simple(text: str) -> list[ToolCall]:
 
 
 TOOL_PARSERS: dict[str, ToolParser] = {
-    "hermes": ToolParser("hermes", parse_hermes),
-    "simple": ToolParser("simple", parse_simple, stop=("</tool>",)),
+    "hermes": ToolParser("hermes", parse_hermes, "<tool_call>"),
+    "simple": ToolParser("simple", parse_simple, "<tool:", stop=("</tool>",)),
 }
 
 

@@ -24,6 +24,7 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config import Config
 from asyncrl.config.schema import EvalConfig
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
+from asyncrl.rollout.chat_sessions import ChatSettings
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.tasks import Problem
 from asyncrl.types import GenerationResult, SamplingSpec
@@ -142,7 +143,8 @@ async def _evaluate(cfg: Config, agents: WeightedMultiTask, problems: list[Probl
         engine = create_local_engine(cfg, stream=False)  # never paused
         await engine.start()
         pick, model = (lambda: _InProcessEngine(engine)), cfg.model.path
-    gateway = InferenceGateway(pick, tokenizer)
+    gateway = InferenceGateway(pick, tokenizer,  # agent processes' episodes talk chat to it
+                               chat=ChatSettings(cfg.tools.parser, cfg.engine.max_model_len, cfg.reward.max_abs))
     try:
         if any(agents.agent_for(p).remote for p in problems):
             await gateway.serve()  # their env servers generate through the gateway

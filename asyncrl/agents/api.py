@@ -259,6 +259,7 @@ class Agent(ABC):
 
     params_class: type = dict  # the dataclass `AgentConfig.params` must fit
     remote: bool = False  # True: rollouts happen elsewhere (the env server), already scored
+    branching: bool = False  # True: a group may hold more trajectories than samples (agent_process.py)
 
     def __init__(self, spec: AgentConfig, params: Any, settings: AgentSettings):
         self.env_id = spec.env_id

@@ -24,7 +24,9 @@ own rules follow them):
   token       checked from the headers alone, before any of the body is read: missing -> 401,
               wrong -> 403, both with `Connection: close` (the body is never parsed). Only
               /health needs none; a /health with a body (declared or chunked) -> 400, closed,
-              the body not waited for.
+              the body not waited for. With `scoped` (the gateway's chat sessions), a path
+              /<scoped>/<id>/... also takes `scoped_key(token, id)`, valid on that id's paths alone:
+              a program handed one session's key reaches no other session and no other route.
   body        over `max_request_bytes`, declared or streamed -> 413; not all there within
               `read_timeout_s` -> 408 (both close the connection); not strict JSON (NaN and
               Infinity, numbers that overflow a float, integers over 64 digits, nesting over
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -162,28 +165,42 @@ class _Disconnected(Exception):
     pass
 
 
+def scoped_key(token: str, scope_id: str) -> str:
+    """The bearer key valid on the paths /<scoped>/<scope_id>/... of a server guarded with `token`."""
+    return hmac.new(token.encode(), scope_id.encode(), hashlib.sha256).hexdigest()
+
+
 class _Guard:
     """Answers, before the app sees a request, what needs no app: a missing or wrong token (from
     the headers; the body is not read), a body too large or too slow, a body that is not strict
     JSON. The app then gets the body as read here."""
 
-    def __init__(self, app: Any, token: str, limits: ServerLimits):
+    def __init__(self, app: Any, token: str, limits: ServerLimits, scoped: str = ""):
         self.app, self.limits = app, limits
-        self._token = token.encode()
+        self._secret, self._token = token, token.encode()
+        self._scoped = f"/{scoped}/" if scoped else ""
 
-    def authorized(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
-        """Whether request headers (names in lower case) carry the server's token."""
-        return self._token_refusal(dict(headers)) is None
+    def authorized(self, headers: Iterable[tuple[bytes, bytes]], path: str) -> bool:
+        """Whether request headers (names in lower case) carry a token valid for `path`."""
+        return self._token_refusal(dict(headers), path) is None
 
-    def _token_refusal(self, headers: dict[bytes, bytes]) -> int | None:
-        """401 without a bearer token, 403 with a wrong one, None with the server's."""
+    def _token_refusal(self, headers: dict[bytes, bytes], path: str) -> int | None:
+        """401 without a bearer token, 403 with a wrong one, None with the server's (or, on a
+        scoped path, its scope's)."""
         header = headers.get(b"authorization", b"")
         if not header:
             return 401
         scheme, _, given = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._token):
+        given = given.strip()
+        if scheme.lower() != b"bearer":
             return 403
-        return None
+        if hmac.compare_digest(given, self._token):
+            return None
+        if self._scoped and path.startswith(self._scoped):
+            scope_id = path[len(self._scoped):].partition("/")[0]
+            if scope_id and hmac.compare_digest(given, scoped_key(self._secret, scope_id).encode()):
+                return None
+        return 403
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -198,7 +215,7 @@ class _Guard:
             if not declared.isdigit() or int(declared) > 0 or b"transfer-encoding" in headers:
                 return await _respond(send, 400, "/health takes no body")
             return await self.app(scope, receive, send)
-        refusal = self._token_refusal(headers)
+        refusal = self._token_refusal(headers, scope["path"])
         if refusal == 401:
             return await _respond(send, 401, "missing bearer token: send 'Authorization: Bearer <token>'",
                                   [(b"www-authenticate", b"Bearer")])
@@ -257,11 +274,12 @@ async def _respond(send: Send, status: int, detail: Any, headers: list[tuple[byt
     await send({"type": "http.response.body", "body": body})
 
 
-def guarded(app: Any, token: str, limits: ServerLimits) -> Any:
+def guarded(app: Any, token: str, limits: ServerLimits, scoped: str = "") -> Any:
     """`app` behind the request guard: the bearer `token` checked from the headers before any of
     the body is read, bodies bounded in size and time, strict JSON only. Served with
-    `uvicorn_config`, its connections are held to the budget and deadlines of `limits` too."""
-    return _Guard(app, token, limits)
+    `uvicorn_config`, its connections are held to the budget and deadlines of `limits` too.
+    `scoped`: a path segment whose ids have keys of their own (`scoped_key`)."""
+    return _Guard(app, token, limits, scoped)
 
 
 # -- the connections: a budget by authentication and peer, deadlines per request -----------
@@ -274,7 +292,7 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, log_lev
     (`_GuardedConnection`), bounded header size, no websockets, no proxy headers."""
     import uvicorn
 
-    authorized = app.authorized if isinstance(app, _Guard) else lambda headers: False
+    authorized = app.authorized if isinstance(app, _Guard) else lambda headers, path: False
     budget = _Budget(limits)
     http = h11_protocol(lambda: _GuardedConnection(budget, limits, authorized))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
@@ -388,7 +406,7 @@ class _GuardedConnection(_Connection):
     (uvicorn_compat.ConnectionEvents)."""
 
     def __init__(self, budget: _Budget, limits: ServerLimits,
-                 authorized: Callable[[list[tuple[bytes, bytes]]], bool]):
+                 authorized: Callable[[list[tuple[bytes, bytes]], str], bool]):
         self.budget, self.limits, self.authorized = budget, limits, authorized
         self.transport: asyncio.Transport | None = None  # these two (and peer): set by opened()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -403,8 +421,8 @@ class _GuardedConnection(_Connection):
             return
         self._begin()
 
-    def request_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
-        if self.authorized(headers):
+    def request_headers(self, headers: list[tuple[bytes, bytes]], path: str) -> None:
+        if self.authorized(headers, path):
             self.budget.authenticate(self)
             self._cancel_deadline()  # its body has the guard's deadline; the app's work, none
         # without the token, the deadline armed at the request's start runs on: body and answer

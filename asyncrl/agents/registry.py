@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from asyncrl.agents.agent_process import AgentProcessAgent
 from asyncrl.agents.api import Agent, AgentSettings
 from asyncrl.agents.dataset import DatasetAgent, DatasetParams
 from asyncrl.agents.multi_task import WeightedMultiTask
@@ -25,6 +26,7 @@ AGENT_TYPES: dict[str, type[Agent]] = {
     "dataset": DatasetAgent,
     "reward_only": RewardOnlyAgent,
     "remote": RemoteAgent,
+    "agent_process": AgentProcessAgent,
 }
 
 
@@ -73,7 +75,7 @@ def check_registered(cfg: Config) -> list[str]:
         except ValueError as e:
             problems.append(f"{key} ({spec.env_id}): {e}")
             continue
-        if spec.type == "dataset":
+        if spec.type in ("dataset", "agent_process"):
             problems += check_data(f"{key}.params", params)
     return problems
 

@@ -38,6 +38,8 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     # A pipelined request is started from on_response_complete: the next one's deadline goes first.
     ("uvicorn.protocols.http.h11_impl", "H11Protocol.on_response_complete", "self.handle_events()"),
     ("uvicorn.protocols.http.h11_impl", "H11Protocol", "self.cycle: RequestResponseCycle = None"),
+    # ... and `scope["path"]` its path (the guard's session keys are valid on their paths only).
+    ("uvicorn.protocols.http.h11_impl", "H11Protocol.handle_events", '"path": full_path,'),
 ]
 
 
@@ -47,8 +49,8 @@ class ConnectionEvents(Protocol):
     def opened(self, transport: asyncio.Transport) -> None:
         """The connection is made (uvicorn has set up its side)."""
 
-    def request_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
-        """A request's headers are in (names in lower case); its body may still be arriving."""
+    def request_headers(self, headers: list[tuple[bytes, bytes]], path: str) -> None:
+        """A request's headers are in (names in lower case), for `path`; its body may still be arriving."""
 
     def response_complete(self) -> None:
         """An answer is sent, before uvicorn starts the next request (pipelined ones included)."""
@@ -83,7 +85,7 @@ def h11_protocol(events: Callable[[], ConnectionEvents]) -> type[asyncio.Protoco
             super().handle_events()
             if self.cycle is not None and self.cycle is not self._seen:  # a request's headers are in
                 self._seen = self.cycle
-                self.events.request_headers(self.headers)
+                self.events.request_headers(self.headers, self.scope["path"])
 
         def on_response_complete(self) -> None:
             self.events.response_complete()

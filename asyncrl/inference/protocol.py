@@ -7,15 +7,19 @@ depend on this, not on `EngineActor`. Implementations:
     (asyncrl/inference/channel.py), in training;
   - `OpenAIInference` (asyncrl/agents/openai_inference.py): any OpenAI-compatible completions
     endpoint over HTTP (`vllm serve`, or a rollout worker's inference gateway).
+
+Agents that are programs of their own talk chat completions instead, each episode in a session
+of a `ChatSessionHost` (the rollout worker's gateway: asyncrl/rollout/chat_sessions.py), which
+turns the session's turns into trajectories token-exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from asyncrl.types import GenerationResult, SamplingSpec
+from asyncrl.types import GenerationResult, SamplingSpec, Trajectory
 
 
 @dataclass
@@ -28,11 +32,59 @@ class Endpoint:
     api_key: str = ""
 
 
+@dataclass(frozen=True)
+class SessionTicket:
+    """What an episode's agent process is handed: its session's OpenAI base URL and key (valid for
+    this session's paths only), where it may post its reward, and the model name to ask for."""
+
+    session_id: str
+    base_url: str  # .../sessions/<id>/v1: the OpenAI client's base_url
+    api_key: str
+    reward_url: str  # POST {"reward": float}
+    model: str
+
+
+@dataclass
+class SessionRecord:
+    """What a closed session produced: one trajectory per branch (prompt, response segments with
+    each sampled token's logprob and version; reward unset), the branch the episode ended on last;
+    the reward its agent posted (None: none); its turns and its refused requests by reason."""
+
+    branches: list[Trajectory]
+    reward: float | None = None
+    turns: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class ChatSessionHost(ABC):
+    """Serves chat sessions over HTTP; an episode opens one, its agent process talks to it, the
+    episode closes it and takes its record."""
+
+    @abstractmethod
+    async def open_session(self, sampling: SamplingSpec) -> SessionTicket:
+        """A new session sampling with `sampling` (its temperature and top_p; max_new_tokens is the
+        budget of each branch's sampled tokens)."""
+
+    @abstractmethod
+    async def rewarded(self, session_id: str) -> float:
+        """Returns the reward once the session's agent posted it."""
+
+    @abstractmethod
+    def close_session(self, session_id: str) -> SessionRecord:
+        """End the session: later requests to it are refused (404). Its record."""
+
+    @abstractmethod
+    def count(self, code: str, detail: str = "") -> None:
+        """Count a failure of an episode (the host's run keeps the counts)."""
+
+
 class InferenceInterface(ABC):
     # Capabilities: whether results carry the engine's own token ids and per-token logprobs
     # (training needs both; evaluation needs neither).
     returns_token_ids: bool = True
     returns_logprobs: bool = True
+    # Where agents that are programs of their own open chat sessions (a rollout worker's gateway)
+    sessions: ChatSessionHost | None = None
 
     @abstractmethod
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec,

@@ -13,11 +13,17 @@ through it during training; `endpoint` is what a remote agent hands them. It is 
 env server is (asyncrl/agents/http_guard.py: `guarded`, `uvicorn_config`): the key checked from the
 headers before any of the body is read, bodies of at most `GATEWAY_LIMITS.max_request_bytes`
 within its read deadline, strict JSON, and the env server's connection budget.
+
+With `chat` settings it serves chat completions too (asyncrl/rollout/chat_sessions.py): `POST
+/v1/chat/completions` (the gateway's key; a turn of no session) and, per episode of an agent that
+is a program of its own, `POST /sessions/<id>/v1/chat/completions` and `POST /sessions/<id>/reward`
+with that session's key, which reaches no other path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import socket
 from collections.abc import Awaitable, Callable
@@ -25,11 +31,13 @@ from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncrl.agents.http_guard import ServerLimits, guarded, uvicorn_config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.inference.stops import cut_at_split_stop
+from asyncrl.rollout.chat_sessions import ChatRefusal, ChatSessions, ChatSettings, parse_body
 from asyncrl.types import GenerationResult, SamplingSpec
 
 # The env server's limits, but for bodies: a prompt of engine.max_model_len (up to 2**20) token ids
@@ -51,7 +59,10 @@ class CompletionBody(BaseModel):
 
 class InferenceGateway(InferenceInterface):
     def __init__(self, pick: Callable[[], InferenceInterface], tokenizer: Any,
-                 resumed: Callable[[], Awaitable[None]] | None = None, model_name: str = "asyncrl"):
+                 resumed: Callable[[], Awaitable[None]] | None = None, model_name: str = "asyncrl",
+                 chat: ChatSettings | None = None, count: Callable[[str, str], None] | None = None):
+        """`chat`: serve chat completions and sessions with these settings (None: completions only);
+        `count`: counts an episode's failures and refused chat requests by code."""
         self.pick = pick
         self.tokenizer = tokenizer
         self.resumed = resumed  # waits until a sync is over (abort mode); None: retry at once
@@ -60,6 +71,8 @@ class InferenceGateway(InferenceInterface):
         self._server: Any = None
         self._task: asyncio.Task | None = None
         self._api_key = secrets.token_urlsafe(24)
+        self.sessions = None if chat is None else ChatSessions(self.agenerate, tokenizer, chat, self.serve,
+                                                                self._api_key, count)
 
     async def agenerate(self, prompt_token_ids: list[int], sampling: SamplingSpec,
                         request_id: str) -> GenerationResult:
@@ -94,7 +107,7 @@ class InferenceGateway(InferenceInterface):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
-        app = guarded(self._app(), self._api_key, GATEWAY_LIMITS)
+        app = guarded(self._app(), self._api_key, GATEWAY_LIMITS, scoped="sessions")
         self._server = uvicorn.Server(uvicorn_config(app, host, 0, GATEWAY_LIMITS, log_level="warning"))
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -127,4 +140,58 @@ class InferenceGateway(InferenceInterface):
                 "versions": out.versions, "finish_reason": out.finish_reason,
                 **({"routes": out.routes.to_dict()} if out.routes is not None else {})}]}
 
+        if self.sessions is None:
+            return app
+        sessions = self.sessions
+
+        async def chat(session_id: str | None, request: Request) -> Response:
+            try:
+                body = parse_body(await request.json() if await request.body() else None)
+                answer = await sessions.complete(session_id, body)
+            except ChatRefusal as refusal:
+                sessions.refused(session_id, refusal)
+                return JSONResponse(refusal.body(), status_code=refusal.status)
+            if body.stream:
+                usage = bool((body.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_sse(answer, usage), media_type="text/event-stream")
+            return JSONResponse(answer)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await chat(None, request)
+
+        @app.post("/sessions/{session_id}/v1/chat/completions")
+        async def session_chat_completions(session_id: str, request: Request) -> Response:
+            return await chat(session_id, request)
+
+        @app.post("/sessions/{session_id}/reward")
+        async def session_reward(session_id: str, request: Request) -> Response:
+            try:
+                sessions.post_reward(session_id, await request.json() if await request.body() else None)
+            except ChatRefusal as refusal:
+                sessions.refused(session_id, refusal)
+                return JSONResponse(refusal.body(), status_code=refusal.status)
+            return JSONResponse({"ok": True})
+
         return app
+
+
+def _sse(answer: dict[str, Any], usage: bool) -> Any:
+    """A chat completion as OpenAI's stream: the whole message in one delta once generated, then the
+    finish reason (and the usage, when asked): what the SDKs' stream readers assemble."""
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    choice = answer["choices"][0]
+    message = dict(choice["message"])
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    chunks = [{"choices": [{"index": 0, "delta": message, "logprobs": choice["logprobs"], "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]}]
+    if usage:
+        chunks.append({"choices": [], "usage": answer["usage"]})
+
+    async def stream() -> Any:
+        for chunk in chunks:
+            yield f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', **chunk})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return stream()

@@ -55,13 +55,13 @@ def model_limits(model_path: str, max_tokens: int | None = None,
                             max_abs_reward=max_abs_reward)
 
 
-def group_problem(group: TrajectoryGroup, size: int, limits: TrajectoryLimits, group_id: str | None = None
-                  ) -> str | None:
-    """Why `group` (asked for `size` trajectories, as group `group_id` when given) cannot be trained on,
-    in one line; None if it can."""
+def group_problem(group: TrajectoryGroup, size: int, limits: TrajectoryLimits, group_id: str | None = None,
+                  at_least: bool = False) -> str | None:
+    """Why `group` (asked for `size` trajectories, as group `group_id` when given; `at_least`: or more,
+    an agent whose samples may branch) cannot be trained on, in one line; None if it can."""
     if group_id is not None and group.group_id != group_id:
         return f"group id {group.group_id!r}, not the {group_id!r} asked for"
-    if len(group.trajectories) != size:
+    if len(group.trajectories) < size or (len(group.trajectories) > size and not at_least):
         return f"{len(group.trajectories)} trajectories for a group of {size}"
     for i, t in enumerate(group.trajectories):
         why = trajectory_problem(t, limits)

@@ -57,6 +57,7 @@ from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
 from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle, TeacherEngineHandle
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats, error_line
+from asyncrl.rollout.chat_sessions import ChatSettings
 from asyncrl.rollout.gateway import InferenceGateway
 from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices, TeacherClient
 from asyncrl.rollout.router import EngineRouter
@@ -187,7 +188,8 @@ class RolloutWorker:
         self._model_limits: TrajectoryLimits | None = None  # read from the model's config when first needed
         # Engines behind one routed interface that waits out weight syncs: evaluation, and
         # (served over HTTP on first use) the env servers of remote agents.
-        self.gateway = InferenceGateway(self.inference, self.tokenizer, self._resumed)
+        self.gateway = InferenceGateway(self.inference, self.tokenizer, self._resumed, chat=self._chat_settings(),
+                                        count=self._count_code)
 
     # -- driver-facing API -----------------------------------------------------------
 
@@ -316,8 +318,9 @@ class RolloutWorker:
         inference, http = BoundedInference(self.gateway, max_concurrent), None
         self._bounded_evaluations.add(inference)
         if remote:  # env servers' requests come over HTTP: through a gateway of their own, bounded too
-            http = InferenceGateway(lambda: inference, self.tokenizer)
-            inference.endpoint = await http.serve()
+            http = InferenceGateway(lambda: inference, self.tokenizer, chat=self._chat_settings(),
+                                    count=self._count_code)
+            inference.endpoint, inference.sessions = await http.serve(), http.sessions
         try:
             responses = await self.agents.evaluate(problems, inference, n_sampled, temperature, pass_k)
             for response in responses:  # what its samples were generated with, env servers' included
@@ -366,6 +369,14 @@ class RolloutWorker:
 
     def _count(self, failure: Failure) -> None:
         self.stats.failures[failure.code] = self.stats.failures.get(failure.code, 0) + 1
+
+    def _count_code(self, code: str, detail: str) -> None:
+        """The gateway's count: an agent process's failure, a refused chat request."""
+        self._count(Failure(code, detail))
+
+    def _chat_settings(self) -> ChatSettings:
+        s = self.settings
+        return ChatSettings(s.agents.tools.parser, s.agents.max_model_len, s.reward.max_abs)
 
     # -- one problem, one sample -------------------------------------------------------
 
@@ -454,7 +465,8 @@ class RolloutWorker:
                                                              self.sampling)
                     trajs = done.trajectories
                     # an answer our engines and model cannot have produced is refused like a failed server
-                    bad = group_problem(done, n, self._remote_limits(), group.group_id)
+                    bad = group_problem(done, n, self._remote_limits(), group.group_id,
+                                        at_least=group.agent.branching)
                     why = None if bad is None else f"env {group.agent.env_id!r} answered an untrainable group: {bad}"
                 except Exception as e:  # the server or the network failed: a failed group, counted
                     why = str(e)
