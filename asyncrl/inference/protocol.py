@@ -62,8 +62,8 @@ class ChatSessionHost(ABC):
 
     @abstractmethod
     async def open_session(self, sampling: SamplingSpec) -> SessionTicket:
-        """A new session sampling with `sampling` (its temperature and top_p; max_new_tokens is the
-        budget of each branch's sampled tokens)."""
+        """A new session sampling with `sampling` (its temperature and top_p; max_new_tokens bounds
+        the tokens it samples over all its turns and branches)."""
 
     @abstractmethod
     async def rewarded(self, session_id: str) -> float:

@@ -21,6 +21,9 @@ it sampled, so a session keeps the tokens instead:
     sampled; in the new branch they are context (loss mask 0), so each sampled token is trained
     once. A request that agrees with no assistant turn of any branch starts a new root (its whole
     conversation rendered as the prompt).
+  - The session samples at its sampling settings (a training run's rollout temperature and top_p:
+    a request may repeat them, not change them) and at most `max_new_tokens` tokens over all its
+    turns and branches (rollout.max_new_tokens bounds an episode as it bounds an agent loop).
   - Requests of one session run one at a time (a lock): a second request sent before the first
     was answered sees the history without that answer, and branches.
 
@@ -234,7 +237,6 @@ class _Branch:
     segments: list[Segment] = field(default_factory=list)
     # After each assistant turn: (messages covered, response tokens so far)
     marks: list[tuple[int, int]] = field(default_factory=list)
-    sampled: int = 0  # policy tokens on this line (shared ones included): the budget's use
     routes: RoutedExperts | None = None
     turns: int = 0
     truncated: bool = False  # its last turn hit its token budget or the context
@@ -253,6 +255,7 @@ class ChatSession:
     reward: float | None = None
     reward_posted: asyncio.Event = field(default_factory=asyncio.Event)
     refused: dict[str, int] = field(default_factory=dict)
+    sampled: int = 0  # tokens sampled over all its turns and branches: `sampling.max_new_tokens` bounds it
 
 
 @dataclass(frozen=True)
@@ -426,7 +429,7 @@ class ChatSessions(ChatSessionHost):
         if context_left <= 0:
             raise ChatRefusal(400, "prompt_too_long", f"the conversation is {len(ids)} tokens: engine.max_model_len="
                               f"{self.settings.max_model_len} leaves no room to answer", "messages")
-        budget_left = session.sampling.max_new_tokens - branch.sampled
+        budget_left = session.sampling.max_new_tokens - session.sampled
         if budget_left <= 0:
             raise ChatRefusal(400, "budget_spent", f"this episode sampled its {session.sampling.max_new_tokens} "
                               "tokens (rollout.max_new_tokens): it cannot generate more", "max_tokens")
@@ -450,7 +453,6 @@ class ChatSessions(ChatSessionHost):
             branch.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
             branch.keys = list(conv.keys) + [_answer_key(message)]
             branch.marks.append((len(branch.keys), len(branch.response())))
-            branch.sampled += len(result.token_ids)
             branch.turns += 1
             branch.truncated = finish == "length"
             if result.routes is not None:
@@ -458,6 +460,7 @@ class ChatSessions(ChatSessionHost):
             if plan.new:
                 session.branches.append(branch)
             session.last = branch
+            session.sampled += len(result.token_ids)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
                                   "logprobs": self._logprobs(result) if body.logprobs else None,
                                   "token_ids": result.token_ids, "versions": result.versions}
@@ -522,20 +525,8 @@ def _fork(branch: _Branch, covered: int, tokens: int) -> _Branch:
     """A new branch sharing `branch`'s first `tokens` response tokens (its first `covered`
     messages) as context: their loss mask 0, so that only `branch` trains them."""
     response = branch.response()[:tokens]
-    sampled = sum(sum(s.loss_mask) for s in _cut(branch.segments, tokens))
     routes = branch.routes.prefix(len(branch.prompt_ids) + tokens) if branch.routes is not None else None
     return _Branch(list(branch.prompt_ids), branch.tools_key, branch.keys[:covered],
                    [Segment.from_env(response)] if response else [], [m for m in branch.marks if m[0] <= covered],
-                   sampled, routes)
+                   routes)
 
-
-def _cut(segments: list[Segment], tokens: int) -> list[Segment]:
-    """The segments of the first `tokens` response tokens (the last one cut)."""
-    out, left = [], tokens
-    for s in segments:
-        if left <= 0:
-            break
-        out.append(s if len(s) <= left else Segment(s.token_ids[:left], s.logprobs[:left], s.loss_mask[:left],
-                                                     s.versions[:left]))
-        left -= len(s)
-    return out
