@@ -11,6 +11,7 @@ from a turn whose first tokens open the call: `Format.start`).
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,3 +242,47 @@ def test_a_stop_string_split_by_a_pause_still_stops_the_generation(engine, tool_
         assert outcome.finished
         assert outcome.trajectory.response_token_ids == expected.response_token_ids, f"cut after {k} tokens"
         assert outcome.trajectory.loss_mask == expected.loss_mask
+
+
+def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engine(engine, tokenizer):
+    """examples/agents/openai_calculator.py (the plain `openai` client, a process per episode) plays
+    groups of held-out problems through a gateway's chat sessions on the real engine, sampling at
+    temperature 1 until one episode has called the calculator (the model calls on ~40 % of its
+    samples). Each trajectory is the engine's tokens as sampled; a tool turn is the template's
+    rendering of the calculator's result, appended after the call the model wrote; answers are scored."""
+    from asyncrl.agents.registry import build_agents
+    from asyncrl.rollout.chat_sessions import ChatSettings
+    from asyncrl.rollout.gateway import InferenceGateway
+
+    cfg = load_config(["recipe=arith_openai"])
+    agent = build_agents(cfg).agents["arith_openai"]
+    chat = chat_format(tokenizer)
+    client = Client(engine)
+    gateway = InferenceGateway(lambda: client, tokenizer, chat=ChatSettings("hermes", 256, 1e6))
+
+    async def play():
+        groups = []
+        for problem in agent.problems("heldout")[:4]:
+            groups.append(await agent.grouped_rollout(problem, 8, gateway, problem.prompt_id))
+            if any(len(t.segments) > 1 for g in groups for t in g.trajectories):
+                break
+        await gateway.stop()
+        return groups
+
+    trajectories = [t for g in asyncio.run(play()) for t in g.trajectories]
+    assert all(t.status is not TrajectoryStatus.FAILED for t in trajectories), \
+        [t.failure_reason for t in trajectories if t.failure_reason]
+    for t in trajectories:
+        assert t.prompt_token_ids == chat.prompt(agent.find_problems("heldout", [t.prompt_id], 0)[0].messages,
+                                                 agent.tool_schemas)
+        assert all(v >= 0 for v, m in zip(t.versions, t.loss_mask) if m) and max(t.response_logprobs) <= 0
+        assert t.reward in (0.0, 1.0) and t.info["branches"] == 1
+    called = [t for t in trajectories if len(t.segments) > 1]
+    assert called, f"no episode of {len(trajectories)} called the calculator"
+    for t in called:
+        call, result, *_ = t.segments
+        assert call.loss_mask == [1] * len(call) and result.loss_mask == [0] * len(result)
+        expression = json.loads(tokenizer.decode(call.token_ids).split("<tool_call>")[1].split("</tool_call>")[0])
+        expected = calculate(expression["arguments"]["expression"])
+        assert result.token_ids == chat.append_ids([{"role": "tool", "name": "calculator", "content": expected}],
+                                                   call.token_ids)
