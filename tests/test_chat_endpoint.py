@@ -248,35 +248,43 @@ def _calculator_script(request: Request, tokenizer: Any) -> Reply:
     return Reply(turn_ids(tokenizer, f"Answer: {result}"), version=2)
 
 
-def _agent(cfg, tmp_path: Path, program: str | None = None, **params: Any) -> AgentProcessAgent:
+def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode", **params: Any
+           ) -> AgentProcessAgent:
+    """The recipe's agent, running the example (in `mode`) or `program`."""
     spec = next(a for a in cfg.agents if a.env_id == "arith_openai")
-    command = ["{python}", str(EXAMPLE)]
+    command = ["{python}", str(EXAMPLE), *(["--serve"] if mode == "server" else [])]
     if program is not None:
         path = tmp_path / "agent.py"
         path.write_text(textwrap.dedent(program))
         command = [sys.executable, str(path)]
     merged = AgentConfig(env_id=spec.env_id, type=spec.type, weight=1.0,
-                         params={**spec.params, "command": command, **params})
+                         params={**spec.params, "command": command, "mode": mode, **params})
     return build_agent(merged, cfg)
 
 
-def test_the_openai_example_plays_a_group_and_its_answers_are_scored(cfg, tokenizer, tmp_path):
+@pytest.mark.parametrize("mode", ["episode", "server"])
+def test_the_openai_example_plays_groups_and_its_answers_are_scored(cfg, tokenizer, tmp_path, mode):
     engine = ScriptedInference(lambda request: _calculator_script(request, tokenizer), tokenizer)
     served = Served(engine, tokenizer)
-    agent = _agent(cfg, tmp_path)
-    problem = agent.problems("train")[0]
+    agent = _agent(cfg, tmp_path, mode=mode)
+    problems = agent.problems("train")[:2]
 
     async def main():
-        group = await agent.grouped_rollout(problem, 2, served.gateway, "g0")
+        groups = await asyncio.gather(*[agent.grouped_rollout(p, 2, served.gateway, f"g{i}")
+                                        for i, p in enumerate(problems)])
+        server = agent._server
+        exit_code = await agent.close()  # server: one program played all four episodes, and exits at its stdin's end
         await served.gateway.stop()
-        return group
+        return groups, server, exit_code
 
-    group = run(main)
-    assert [t.status for t in group.trajectories] == [TrajectoryStatus.OK] * 2
-    for t in group.trajectories:
-        assert t.group_id == "g0" and t.env_id == "arith_openai" and t.info["session_turns"] == 2
-        assert t.reward == 1.0, t.info  # the calculator's result is the answer
-        assert set(t.versions) == {1, 2, -1}
+    groups, server, exit_code = run(main)
+    assert (server is None) == (mode == "episode") and exit_code == (0 if mode == "server" else None)
+    for i, group in enumerate(groups):
+        assert [t.status for t in group.trajectories] == [TrajectoryStatus.OK] * 2
+        for t in group.trajectories:
+            assert t.group_id == f"g{i}" and t.env_id == "arith_openai" and t.info["session_turns"] == 2
+            assert t.reward == 1.0, t.info  # the calculator's result is the answer
+            assert set(t.versions) == {1, 2, -1}
     assert served.sessions.sessions == {}  # every session closed
 
 
@@ -288,6 +296,8 @@ def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, t
     served = Served(engine, tokenizer)
     programs = {
         "crash": ("import sys; sys.exit('boom')", {"max_restarts": 1}, "agent_failed"),
+        "server_crash": ("import sys; sys.stdin.readline(); sys.exit('boom')", {"max_restarts": 1, "mode": "server"},
+                         "agent_failed"),
         "hang": ("import time; time.sleep(600)", {"timeout_s": 1.0}, "agent_timeout"),
         "silent": ("print('nothing to say')", {}, "agent_silent"),
     }
@@ -304,9 +314,10 @@ def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, t
     for name, (_, _, code) in programs.items():
         (t,) = groups[name].trajectories
         assert t.status is TrajectoryStatus.FAILED and t.failure_reason.startswith(code), t.failure_reason
-        assert served.counts[code] == 1
+    assert served.counts["agent_failed"] == 2 and served.counts["agent_timeout"] == served.counts["agent_silent"] == 1
     assert "boom" in groups["crash"].trajectories[0].failure_reason
-    assert served.counts["agent_restart"] == 1
+    assert "boom" in groups["server_crash"].trajectories[0].failure_reason
+    assert served.counts["agent_restart"] == 2  # each crash ran its episode again once
 
 
 def test_a_posted_reward_is_the_episodes_and_a_bad_one_is_refused(cfg, tokenizer, tmp_path):

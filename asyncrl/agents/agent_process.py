@@ -23,6 +23,13 @@ own secrets). The program needs no asyncrl import: any OpenAI chat client works.
 the command is the worker's interpreter; a program with pins of its own runs from its own
 virtualenv's interpreter instead.
 
+`params.mode: server` starts the program once per rollout worker instead (a process start costs an
+interpreter and its imports, 1.5 CPU-s for `openai`; a CPU run plays hundreds of episodes a step):
+it reads one JSON line per episode on stdin, {"episode", "problem", "base_url", "api_key", "model",
+"reward_url"}, may play many at once, and writes {"episode": <id>} on a line of its stdout when
+one is over (other lines are its own); it exits at the end of its stdin. If it dies, its running
+episodes count as exits with its code and it is started again for the next.
+
 The episode ends when the program exits, or `params.reward_grace_s` after it posted its reward
 (then it is stopped). Its reward is the posted one, or else the dataset's reward of the last
 branch's response (decoded as the in-process chat loops' are). Failures are counted and never lose
@@ -47,7 +54,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -62,8 +71,10 @@ from asyncrl.types import SamplingSpec, Trajectory, TrajectoryGroup, TrajectoryS
 logger = logging.getLogger(__name__)
 
 BRANCHES = ("all", "last")
+MODES = ("episode", "server")
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")  # of the worker's environment; the rest is not passed
 OUTPUT_TAIL_BYTES = 4096  # of a failed program's output, kept for its failure's detail
+MAX_LINE_BYTES = 1 << 20  # of what a program writes on one line
 
 
 @dataclass
@@ -74,6 +85,7 @@ class AgentProcessParams(DatasetParams):
     max_restarts: int = 2  # a program that dies before its reward runs its episode again, this many times
     reward_grace_s: float = 10.0  # after posting its reward, the program has this long to exit
     branches: str = "all"  # all | last (module docstring)
+    mode: str = "episode"  # episode: a process per episode | server: one per rollout worker (module docstring)
 
 
 class AgentProcessAgent(DatasetAgent):
@@ -86,12 +98,15 @@ class AgentProcessAgent(DatasetAgent):
         p = params
         if not p.command or not all(isinstance(a, str) and a for a in p.command):
             raise ValueError(f"env {self.env_id!r}: params.command must be a non-empty list of arguments")
+        if p.mode not in MODES:
+            raise ValueError(f"env {self.env_id!r}: params.mode={p.mode!r}: must be one of {', '.join(MODES)}")
         if p.branches not in BRANCHES:
             raise ValueError(f"env {self.env_id!r}: params.branches={p.branches!r}: must be one of "
                              f"{', '.join(BRANCHES)}")
         if not (p.timeout_s > 0 and p.reward_grace_s >= 0 and p.max_restarts >= 0):
             raise ValueError(f"env {self.env_id!r}: params.timeout_s must be > 0, reward_grace_s and max_restarts "
                              ">= 0")
+        self._server: _Server | None = None
 
     @staticmethod
     def _host(inference: InferenceInterface) -> ChatSessionHost:
@@ -167,53 +182,154 @@ class AgentProcessAgent(DatasetAgent):
         return [Trajectory(problem.prompt_id, group_id, prompt_token_ids(problem, self.tokenizer),
                            status=TrajectoryStatus.FAILED, env_id=self.env_id, failure_reason=why)]
 
-    async def _run(self, ticket: SessionTicket, problem: Problem, host: ChatSessionHost) -> tuple[int, bytes, bool]:
-        """Run the program for one session: (its exit code, the tail of its output, whether it timed out)."""
-        p = self.params
-        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.update(p.env, OPENAI_BASE_URL=ticket.base_url, OPENAI_API_KEY=ticket.api_key, ASYNCRL_MODEL=ticket.model,
-                   ASYNCRL_REWARD_URL=ticket.reward_url, PYTHONUNBUFFERED="1")
-        argv = [sys.executable if a == "{python}" else a for a in p.command]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env=env, start_new_session=True)  # its own process group: stopped with its children
-        output = bytearray()
-
-        async def read() -> None:  # the whole output is read (a full pipe would block it), its tail kept
-            assert proc.stdout is not None
-            while chunk := await proc.stdout.read(65536):
-                output.extend(chunk)
-                del output[:-OUTPUT_TAIL_BYTES]
-
-        problem_json = json.dumps({"prompt_id": problem.prompt_id, "prompt": problem.prompt,
-                                   "messages": problem.messages, "tools": problem.tools}).encode()
-        reader = asyncio.ensure_future(read())
+    async def close(self, timeout_s: float = 10.0) -> int | None:
+        """`mode: server`: end the program's stdin and wait for it to exit (stopped after `timeout_s`);
+        its exit code (None: none was running)."""
+        program, self._server = (self._server.program if self._server else None), None
+        if program is None or program.exited.done():
+            return None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            program.proc.stdin.close()
         try:
-            assert proc.stdin is not None
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a program that ignores its stdin
-                proc.stdin.write(problem_json)
-                await proc.stdin.drain()
-                proc.stdin.close()
-            exited = asyncio.ensure_future(proc.wait())
-            rewarded = asyncio.ensure_future(host.rewarded(ticket.session_id))
+            return await asyncio.wait_for(asyncio.shield(program.exited), timeout_s)
+        except asyncio.TimeoutError:
+            await program.stop()
+            return program.code
+
+    def _argv_env(self) -> tuple[list[str], dict[str, str]]:
+        env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+        env.update(self.params.env, PYTHONUNBUFFERED="1")
+        return [sys.executable if a == "{python}" else a for a in self.params.command], env
+
+    async def _run(self, ticket: SessionTicket, problem: Problem, host: ChatSessionHost) -> tuple[int, bytes, bool]:
+        """Run one episode of the program: (its exit code, 0 if it finished the episode; the tail of its
+        output; whether it timed out)."""
+        info = {"prompt_id": problem.prompt_id, "prompt": problem.prompt, "messages": problem.messages,
+                "tools": problem.tools}
+        rewarded = asyncio.ensure_future(host.rewarded(ticket.session_id))
+        try:
+            if self.params.mode == "server":
+                if self._server is None:
+                    self._server = _Server(*self._argv_env())
+                return await self._server.run(ticket, info, rewarded, self.params)
+            argv, env = self._argv_env()
+            env.update(OPENAI_BASE_URL=ticket.base_url, OPENAI_API_KEY=ticket.api_key, ASYNCRL_MODEL=ticket.model,
+                       ASYNCRL_REWARD_URL=ticket.reward_url)
+            program = _Program(argv, env)
+            await program.start()
             try:
-                done, _ = await asyncio.wait({exited, rewarded}, timeout=p.timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if exited not in done and rewarded in done:  # posted: it has the grace to exit
-                    await asyncio.wait({exited}, timeout=p.reward_grace_s)
+                await program.send(json.dumps(info).encode(), close=True)
+                timed_out = not await _until_done(program.exited, rewarded, self.params)
             finally:
-                rewarded.cancel()
-            timed_out = not done
-            if not exited.done():
-                _stop(proc.pid)
-            code = await exited
+                await program.stop()
+            return program.code, bytes(program.output), timed_out
         finally:
-            if proc.returncode is None:
-                _stop(proc.pid)
-                await proc.wait()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(reader, 5)  # a grandchild holding the pipe: give up on the rest
-        return code, bytes(output), timed_out
+            rewarded.cancel()
+
+
+class _Program:
+    """A started agent program: its output read (a full pipe would block it) and its tail kept, in
+    its own process group (stopped with what it started). `lines`: called with each line it writes."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], lines: Callable[[bytes], None] | None = None):
+        self.argv, self.env, self.lines = argv, env, lines
+        self.output = bytearray()
+        self.proc: asyncio.subprocess.Process | None = None
+        self.exited: asyncio.Future[int] | None = None
+        self.code = 0
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True, limit=MAX_LINE_BYTES)
+        self.exited = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> int:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            try:
+                line = await self.proc.stdout.readline()
+            except ValueError:  # a line past MAX_LINE_BYTES: what was buffered is dropped
+                continue
+            if not line:
+                break
+            self.output.extend(line)
+            del self.output[:-OUTPUT_TAIL_BYTES]
+            if self.lines is not None:
+                self.lines(line)
+        self.code = await self.proc.wait()
+        return self.code
+
+    async def send(self, data: bytes, close: bool = False) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a program that ignores its stdin
+            self.proc.stdin.write(data)
+            await self.proc.stdin.drain()
+            if close:
+                self.proc.stdin.close()
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        _stop(self.proc.pid)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exited), 5)  # a grandchild holding the pipe: give up
+
+
+class _Server:
+    """`mode: server`: one program for all of this worker's episodes (module docstring), started on
+    the first and again after it dies."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.argv, self.env = argv, env
+        self.program: _Program | None = None
+        self.starting = asyncio.Lock()
+        self.finished: dict[str, asyncio.Future[int]] = {}  # by session id: an episode's end
+
+    async def run(self, ticket: SessionTicket, info: dict[str, Any], rewarded: asyncio.Future[float],
+                  params: AgentProcessParams) -> tuple[int, bytes, bool]:
+        async with self.starting:  # episodes arrive together: one start
+            if self.program is None or self.program.exited.done():
+                self.program = _Program(self.argv, self.env, self._line)
+                await self.program.start()
+                self.program.exited.add_done_callback(self._died)
+        program = self.program
+        finished = self.finished[ticket.session_id] = asyncio.get_running_loop().create_future()
+        line = {"episode": ticket.session_id, "problem": info, "base_url": ticket.base_url,
+                "api_key": ticket.api_key, "model": ticket.model, "reward_url": ticket.reward_url}
+        try:
+            await program.send(json.dumps(line).encode() + b"\n")
+            timed_out = not await _until_done(finished, rewarded, params)
+        finally:
+            self.finished.pop(ticket.session_id, None)
+        code = finished.result() if finished.done() else 0
+        return code, bytes(program.output), timed_out
+
+    def _line(self, line: bytes) -> None:
+        """`{"episode": <id>}` ends that episode; other lines are the program's own output."""
+        try:
+            episode = json.loads(line).get("episode")
+        except (ValueError, AttributeError):
+            return
+        future = self.finished.get(episode) if isinstance(episode, str) else None
+        if future is not None and not future.done():
+            future.set_result(0)
+
+    def _died(self, exited: asyncio.Future[int]) -> None:
+        """Every episode it was running ends with its exit code (never 0: it did not finish them)."""
+        code = (exited.result() if not exited.cancelled() else -1) or 1
+        for future in self.finished.values():
+            if not future.done():
+                future.set_result(code)
+
+
+async def _until_done(done: asyncio.Future[int], rewarded: asyncio.Future[float], params: AgentProcessParams) -> bool:
+    """Wait until the episode is done, or `params.reward_grace_s` after its reward was posted;
+    False if neither happened within `params.timeout_s`."""
+    finished, _ = await asyncio.wait({done, rewarded}, timeout=params.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if done not in finished and rewarded in finished:  # posted: it has the grace to finish
+        await asyncio.wait({done}, timeout=params.reward_grace_s)
+    return bool(finished)
 
 
 def _stop(pid: int) -> None:
