@@ -147,6 +147,7 @@ def test_an_edited_history_branches_and_each_sampled_token_is_trained_once(token
     assert engine.requests[2].prompt_token_ids == last.prompt_token_ids + last.response_token_ids[:-len(replies[2])]
 
 
+@pytest.mark.attack
 def test_the_endpoint_refuses_what_it_does_not_honour_by_name_and_counts_it(tokenizer):
     engine = ScriptedInference(lambda request: Reply(turn_ids(tokenizer, "Answer: 1")), tokenizer)
     served = Served(engine, tokenizer, max_model_len=128)

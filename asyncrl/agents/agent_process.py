@@ -86,6 +86,7 @@ class AgentProcessParams(DatasetParams):
     reward_grace_s: float = 10.0  # after posting its reward, the program has this long to exit
     branches: str = "all"  # all | last (module docstring)
     mode: str = "episode"  # episode: a process per episode | server: one per rollout worker (module docstring)
+    max_episodes: int = 64  # of this agent at once in one rollout worker (the others wait)
 
 
 class AgentProcessAgent(DatasetAgent):
@@ -103,10 +104,11 @@ class AgentProcessAgent(DatasetAgent):
         if p.branches not in BRANCHES:
             raise ValueError(f"env {self.env_id!r}: params.branches={p.branches!r}: must be one of "
                              f"{', '.join(BRANCHES)}")
-        if not (p.timeout_s > 0 and p.reward_grace_s >= 0 and p.max_restarts >= 0):
+        if not (p.timeout_s > 0 and p.reward_grace_s >= 0 and p.max_restarts >= 0 and p.max_episodes >= 1):
             raise ValueError(f"env {self.env_id!r}: params.timeout_s must be > 0, reward_grace_s and max_restarts "
-                             ">= 0")
+                             ">= 0, max_episodes >= 1")
         self._server: _Server | None = None
+        self._slots: asyncio.Semaphore | None = None  # made in the worker's event loop, on first use
 
     @staticmethod
     def _host(inference: InferenceInterface) -> ChatSessionHost:
@@ -141,12 +143,13 @@ class AgentProcessAgent(DatasetAgent):
         p = self.params
         why = ""
         for attempt in range(p.max_restarts + 1):
-            ticket = await host.open_session(sampling)
-            t0 = time.time()
-            try:
-                code, output, timed_out = await self._run(ticket, problem, host)
-            finally:
-                record = host.close_session(ticket.session_id)
+            async with self._episodes():
+                ticket = await host.open_session(sampling)
+                t0 = time.time()
+                try:
+                    code, output, timed_out = await self._run(ticket, problem, host)
+                finally:
+                    record = host.close_session(ticket.session_id)
             if timed_out:
                 why = f"agent_timeout: the episode ran past params.timeout_s={p.timeout_s:g}"
                 break
@@ -158,7 +161,7 @@ class AgentProcessAgent(DatasetAgent):
                     continue
                 break
             if not record.branches:
-                why = f"agent_silent: {p.command[-1]} exited with {code} without a chat request: {_tail(output)}"
+                why = f"agent_silent: the episode ended (exit code {code}) without a chat request: {_tail(output)}"
                 break
             kept = record.branches if p.branches == "all" else record.branches[-1:]
             for t in kept:
@@ -181,6 +184,14 @@ class AgentProcessAgent(DatasetAgent):
         logger.warning("env %s: an episode of %s failed: %s", self.env_id, group_id, why)
         return [Trajectory(problem.prompt_id, group_id, prompt_token_ids(problem, self.tokenizer),
                            status=TrajectoryStatus.FAILED, env_id=self.env_id, failure_reason=why)]
+
+    def _episodes(self) -> asyncio.Semaphore:
+        """At most `params.max_episodes` episodes of this agent at once in this process: an evaluation
+        starts all of its samples together, and each episode holds a session, a connection and, in
+        `mode: episode`, a process."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.params.max_episodes)
+        return self._slots
 
     async def close(self, timeout_s: float = 10.0) -> int | None:
         """`mode: server`: end the program's stdin and wait for it to exit (stopped after `timeout_s`);
