@@ -245,12 +245,13 @@ def test_a_stop_string_split_by_a_pause_still_stops_the_generation(engine, tool_
 
 
 def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engine(engine, tokenizer):
-    """examples/agents/openai_calculator.py (the plain `openai` client, a process per episode) plays
+    """examples/agents/openai_calculator.py (the plain `openai` client, one program per worker) plays
     groups of held-out problems through a gateway's chat sessions on the real engine, sampling at
     temperature 1 until one episode has called the calculator (the model calls on ~40 % of its
     samples). Each trajectory is the engine's tokens as sampled; a tool turn is the template's
     rendering of the calculator's result, appended after the call the model wrote; answers are scored."""
     from asyncrl.agents.registry import build_agents
+    from asyncrl.bench.chat import measure
     from asyncrl.rollout.chat_sessions import ChatSettings
     from asyncrl.rollout.gateway import InferenceGateway
 
@@ -266,10 +267,17 @@ def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engi
             groups.append(await agent.grouped_rollout(problem, 8, gateway, problem.prompt_id))
             if any(len(t.segments) > 1 for g in groups for t in g.trajectories):
                 break
+        await agent.close()
+        # `asyncrl bench chat`'s measurement, on the same gateway: 4 conversations of 2 turns a side
+        figures = await measure(gateway, agent.problems("heldout")[:4], SamplingSpec(max_new_tokens=32), turns=2,
+                                max_tokens=16, rounds=1)
         await gateway.stop()
-        return groups
+        return groups, figures
 
-    trajectories = [t for g in asyncio.run(play()) for t in g.trajectories]
+    groups, figures = asyncio.run(play())
+    assert figures["token_tok_s"] > 0 and figures["chat_tok_s"] > 0 and figures["chat_turns"] == 8
+    assert 0 < figures["overhead_ms_per_turn"] < 1000
+    trajectories = [t for g in groups for t in g.trajectories]
     assert all(t.status is not TrajectoryStatus.FAILED for t in trajectories), \
         [t.failure_reason for t in trajectories if t.failure_reason]
     for t in trajectories:

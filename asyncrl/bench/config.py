@@ -30,6 +30,7 @@ class BenchConfig:
     # Pause before each timed rollout round: vLLM's processes keep polling for 1 s after their
     # last request, and the idle engine's polling would take CPU from the other path's round.
     settle_s: float = 1.5
+    chat_turns: int = 3  # chat bench: turns of each conversation
     trainer_steps: int = 3  # weight-sync bench: timed train steps for the trainer's tokens/s
     # sync-vs-async bench: each mode trains for this many seconds (equal wall time).
     train_s: float = 180.0

@@ -3,6 +3,7 @@ print their figures as one JSON object on the last line. Each compares against i
 baseline in the same run.
 
     rollout       the rollout path (worker -> agent loop -> engine actor) vs raw vLLM
+    chat          the chat endpoint (sessions, the `openai` client) vs the token endpoint, multi-turn
     weight-sync   a full weight sync (pause -> broadcast -> load -> resume) vs a raw broadcast
     sync-vs-async the same recipe trained synchronously and asynchronously for equal wall time
     faults        a run that loses an engine, a rollout worker, a trainer rank, then is killed and resumed
@@ -33,6 +34,7 @@ from asyncrl.run_config import validate_or_exit, validate_shown_config
 
 BENCHMARKS = {
     "rollout": "asyncrl.bench.rollout:run_rollout_bench",
+    "chat": "asyncrl.bench.chat:run_chat_bench",
     "weight-sync": "asyncrl.bench.weight_sync:run_weight_sync_bench",
     "sync-vs-async": "asyncrl.bench.sync_vs_async:run_sync_vs_async_bench",
     "faults": "asyncrl.bench.faults:run_faults_bench",

@@ -293,6 +293,9 @@ class ChatSessions(ChatSessionHost):
         self._serve, self._secret, self._count = serve, secret, count
         self.sessions: dict[str, ChatSession] = {}
         self._chat: ChatFormat | None = None
+        # Turns answered and the seconds spent on them outside generation (checks, prefix, rendering,
+        # parsing the answer): the endpoint's own cost (`asyncrl bench chat`)
+        self.turns, self.overhead_s = 0, 0.0
 
     def chat(self) -> ChatFormat:
         """The tokenizer's chat template, checked token-exact (on first use: a run of plain prompts
@@ -366,6 +369,7 @@ class ChatSessions(ChatSessionHost):
         """One turn: the answer as OpenAI's chat completion (plus asyncrl's `token_ids` and
         `versions` in the choice). `session_id` None: a turn of no session (nothing recorded;
         the request's temperature and top_p are honoured)."""
+        t0 = time.perf_counter()
         conv = conversation(body)
         if session_id is None:
             s = self.settings
@@ -378,7 +382,7 @@ class ChatSessions(ChatSessionHost):
             self._check_sampling(body, session.sampling)
         async with session.lock:
             plan = self._plan(session, conv)
-            return await self._turn(session, plan, conv, body)
+            return await self._turn(session, plan, conv, body, t0)
 
     @staticmethod
     def _check_sampling(body: ChatBody, sampling: SamplingSpec) -> None:
@@ -419,7 +423,8 @@ class ChatSessions(ChatSessionHost):
         env_ids = chat.append_ids(added, response[-len(chat.end_of_turn.closing):])
         return _Plan(branch, not in_place, added, env_ids)
 
-    async def _turn(self, session: ChatSession, plan: _Plan, conv: Conversation, body: ChatBody) -> dict[str, Any]:
+    async def _turn(self, session: ChatSession, plan: _Plan, conv: Conversation, body: ChatBody,
+                    t0: float) -> dict[str, Any]:
         branch, chat = plan.branch, self.chat()
         if plan.new and session.session_id and len(session.branches) >= MAX_BRANCHES:
             raise ChatRefusal(400, "too_many_branches", f"this session has {MAX_BRANCHES} branches (the agent "
@@ -445,7 +450,9 @@ class ChatSessions(ChatSessionHost):
             stop=[*stop, *chat.end_of_turn.stop, *(parser.stop if calls_on else ())],
             stop_token_ids=list(chat.end_of_turn.stop_token_ids))
         rid = f"chat-{session.session_id or 'none'}-{secrets.token_hex(4)}"
+        t1 = time.perf_counter()
         result = await self.generate(ids, sampling, rid)
+        t2 = time.perf_counter()
         message, finish = self._message(result, stop, calls_on, {t["function"]["name"] for t in conv.tools})
         if session.session_id:  # commit: the branch takes the turn's tokens and the messages they stand for
             if plan.env_ids:
@@ -461,6 +468,8 @@ class ChatSessions(ChatSessionHost):
                 session.branches.append(branch)
             session.last = branch
             session.sampled += len(result.token_ids)
+        self.turns += 1
+        self.overhead_s += (t1 - t0) + (time.perf_counter() - t2)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
                                   "logprobs": self._logprobs(result) if body.logprobs else None,
                                   "token_ids": result.token_ids, "versions": result.versions}
