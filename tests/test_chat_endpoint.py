@@ -196,6 +196,10 @@ def test_the_endpoint_refuses_what_it_does_not_honour_by_name_and_counts_it(toke
             r = await http.post(f"{root}/v1/completions", json={"prompt": [1, 2]},
                                 headers={"Authorization": f"Bearer {ticket.api_key}"})
             assert r.status_code == 403
+            # ... not through its own path either (the path is matched as decoded, never normalized)
+            r = await http.post(f"{base}/%2e%2e/%2e%2e/v1/completions", json={"prompt": [1, 2]},
+                                headers={"Authorization": f"Bearer {ticket.api_key}"})
+            assert r.status_code == 404, r.text
             for body, status in [({"reward": "1"}, 400), ({"reward": 1e300}, 400), ({"reward": True}, 400),
                                  ({"reward": 1, "more": 2}, 400), ({"reward": 0.5}, 200), ({"reward": 0.5}, 409)]:
                 r = await http.post(ticket.reward_url, json=body, headers={"Authorization": f"Bearer {ticket.api_key}"})

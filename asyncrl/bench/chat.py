@@ -53,23 +53,24 @@ async def _token_conversation(http: httpx.AsyncClient, url: str, key: str, chat:
     return tokens
 
 
-async def _chat_conversation(sessions: Any, sampling: SamplingSpec, messages: list[dict], tools: list[dict],
-                             turns: int, max_tokens: int) -> int:
-    """(b): one conversation through the chat endpoint with the `openai` client; tokens generated."""
+async def _chat_conversation(http: httpx.AsyncClient, sessions: Any, sampling: SamplingSpec, messages: list[dict],
+                             tools: list[dict], turns: int, max_tokens: int) -> int:
+    """(b): one conversation through the chat endpoint with the `openai` client (over the side's one
+    HTTP client, as the example agents share theirs); tokens generated."""
     import openai
 
     ticket = await sessions.open_session(sampling)
+    client = openai.AsyncOpenAI(base_url=ticket.base_url, api_key=ticket.api_key, max_retries=0, http_client=http)
     tokens = 0
     try:
-        async with openai.AsyncOpenAI(base_url=ticket.base_url, api_key=ticket.api_key, max_retries=0) as client:
-            messages = list(messages)
-            for turn in range(turns):
-                if turn:
-                    messages.append(USER_TURN)
-                reply = await client.chat.completions.create(model=ticket.model, messages=messages, tools=tools,
-                                                             max_tokens=max_tokens)
-                messages.append(reply.choices[0].message.model_dump())
-                tokens += reply.usage.completion_tokens
+        messages = list(messages)
+        for turn in range(turns):
+            if turn:
+                messages.append(USER_TURN)
+            reply = await client.chat.completions.create(model=ticket.model, messages=messages, tools=tools,
+                                                         max_tokens=max_tokens)
+            messages.append(reply.choices[0].message.model_dump())
+            tokens += reply.usage.completion_tokens
     finally:
         sessions.close_session(ticket.session_id)
     return tokens
@@ -86,14 +87,14 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
 
     async def side(name: str) -> tuple[int, float]:
         t0 = time.monotonic()
-        if name == "token":
-            async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+        async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+            if name == "token":
                 jobs = [_token_conversation(http, f"{endpoint.base_url}/completions", endpoint.api_key, chat,
                                             p.messages, p.tools, turns, max_tokens, sampling.temperature)
                         for p in problems]
-                tokens = sum(await asyncio.gather(*jobs))
-        else:
-            jobs = [_chat_conversation(sessions, sampling, p.messages, p.tools, turns, max_tokens) for p in problems]
+            else:
+                jobs = [_chat_conversation(http, sessions, sampling, p.messages, p.tools, turns, max_tokens)
+                        for p in problems]
             tokens = sum(await asyncio.gather(*jobs))
         return tokens, time.monotonic() - t0
 
