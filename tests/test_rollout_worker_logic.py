@@ -567,6 +567,10 @@ def test_a_well_formed_remote_group_passes():
     assert group_problem(_remote_group(routes=ROUTES), 2, LIMITS) is None
     dense = TrajectoryLimits(vocab_size=512)
     assert "routes, for a model without experts" in group_problem(_remote_group(routes=ROUTES), 2, dense)
+    # an agent whose samples branch (agent_process) may answer more trajectories than samples, never fewer
+    assert group_problem(_remote_group(), 1, LIMITS, at_least=True) is None
+    assert group_problem(_remote_group(), 1, LIMITS) == "2 trajectories for a group of 1"
+    assert group_problem(_remote_group(), 3, LIMITS, at_least=True) == "2 trajectories for a group of 3"
 
 
 @pytest.mark.attack
