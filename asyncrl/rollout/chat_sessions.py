@@ -239,6 +239,7 @@ class _Branch:
     marks: list[tuple[int, int]] = field(default_factory=list)
     routes: RoutedExperts | None = None
     turns: int = 0
+    tool_calls: int = 0  # calls answered to the agent (it runs them)
     truncated: bool = False  # its last turn hit its token budget or the context
 
     def response(self) -> list[int]:
@@ -328,7 +329,7 @@ class ChatSessions(ChatSessionHost):
         ordered = [b for b in session.branches if b is not session.last] + ([session.last] if session.last else [])
         branches = [Trajectory("", "", list(b.prompt_ids), segments=list(b.segments), routes=b.routes,
                                status=TrajectoryStatus.TRUNCATED if b.truncated else TrajectoryStatus.OK,
-                               info={"turns": b.turns}) for b in ordered]
+                               info={"turns": b.turns, "tool_calls": b.tool_calls}) for b in ordered]
         return SessionRecord(branches, session.reward, sum(b.turns for b in session.branches), dict(session.refused))
 
     def count(self, code: str, detail: str = "") -> None:
@@ -461,6 +462,7 @@ class ChatSessions(ChatSessionHost):
             branch.keys = list(conv.keys) + [_answer_key(message)]
             branch.marks.append((len(branch.keys), len(branch.response())))
             branch.turns += 1
+            branch.tool_calls += len(message.get("tool_calls") or [])
             branch.truncated = finish == "length"
             if result.routes is not None:
                 branch.routes = result.routes if branch.routes is None else branch.routes.extended(result.routes)

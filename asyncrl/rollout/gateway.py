@@ -41,8 +41,10 @@ from asyncrl.rollout.chat_sessions import ChatRefusal, ChatSessions, ChatSetting
 from asyncrl.types import GenerationResult, SamplingSpec
 
 # The env server's limits, but for bodies: a prompt of engine.max_model_len (up to 2**20) token ids
-# as JSON takes up to 8 bytes a token.
-GATEWAY_LIMITS = ServerLimits(max_request_bytes=8 << 20)
+# as JSON takes up to 8 bytes a token; and every new connection may come from one address: on
+# loopback all clients are 127.0.0.1, and an agent program opening 256 episodes' connections at
+# once must not have half of them closed before their keys are read.
+GATEWAY_LIMITS = ServerLimits(max_request_bytes=8 << 20, max_unauthenticated_per_peer=256)
 
 
 class CompletionBody(BaseModel):

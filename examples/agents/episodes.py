@@ -25,6 +25,9 @@ from typing import Any
 import httpx
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
+# A request may wait for its turn in a busy run (many episodes, a weight sync): OpenAI's default connect
+# timeout of 5 s is meant for a remote API that is up or down.
+TIMEOUT = httpx.Timeout(600.0, connect=60.0)
 Play = Callable[[AsyncOpenAI, str, dict[str, Any]], Awaitable[Any]]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -60,11 +63,13 @@ async def _serve(play: Play) -> None:
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     running: set[asyncio.Task] = set()
-    # One HTTP client for every episode's OpenAI client: making one (its TLS context) costs 43 ms of CPU
-    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+    # One HTTP client for every episode's OpenAI client: making one (its TLS context) costs 43 ms of CPU.
+    # Its connections are kept and reused; at most 100 are opened, however many episodes run.
+    http = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=100, max_keepalive_connections=100))
 
     async def one(episode: dict[str, Any]) -> None:
-        client = AsyncOpenAI(base_url=episode["base_url"], api_key=episode["api_key"], http_client=http)
+        client = AsyncOpenAI(base_url=episode["base_url"], api_key=episode["api_key"], http_client=http,
+                             timeout=TIMEOUT)
         try:
             await play(client, episode["model"], episode["problem"])
         except Exception as e:  # noqa: BLE001  (an episode's failure is its own; the others go on)
@@ -81,7 +86,7 @@ async def _serve(play: Play) -> None:
 async def _main(play: Play) -> None:
     if "--serve" in sys.argv:
         return await _serve(play)
-    async with AsyncOpenAI() as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+    async with AsyncOpenAI(timeout=TIMEOUT) as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
         answer = await play(client, os.environ.get("ASYNCRL_MODEL", "asyncrl"), json.load(sys.stdin))
     print(json.dumps({"answer": answer}))
 
