@@ -18,7 +18,7 @@ own rules follow them):
               `read_timeout_s` of its start (the connection's, or the previous answer's), else
               the connection is dropped; one with the token must have its headers in within
               `read_timeout_s` (its body: below). Headers over 16 KiB: 431 (400 while they
-              arrive); idle keep-alive connections close after 5 s. An answer the client does not
+              arrive); idle keep-alive connections close after `keep_alive_s` (5 s). An answer the client does not
               read (the server's buffers full) for `write_timeout_s` drops the connection, what
               is unsent discarded.
   token       checked from the headers alone, before any of the body is read: missing -> 401,
@@ -96,6 +96,7 @@ class ServerLimits:
     # Below httpx's pool of 100 connections a client: a pool with a long queue of waiting requests
     # costs time quadratic in its length (4096 waiting: minutes of a busy event loop).
     max_concurrent_generations: int = 64
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long
     inference_hosts: tuple[str, ...] = ()  # besides loopback: host names, IP addresses or networks (CIDR)
 
     def __post_init__(self) -> None:
@@ -297,7 +298,7 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ServerLimits, log_lev
     http = h11_protocol(lambda: _GuardedConnection(budget, limits, authorized))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                           ws="none", lifespan="off", proxy_headers=False, server_header=False,
-                          timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                          timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 
 def _peer(transport: asyncio.BaseTransport) -> str:

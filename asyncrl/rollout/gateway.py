@@ -40,11 +40,13 @@ from asyncrl.inference.stops import cut_at_split_stop
 from asyncrl.rollout.chat_sessions import ChatRefusal, ChatSessions, ChatSettings, parse_body
 from asyncrl.types import GenerationResult, SamplingSpec
 
-# The env server's limits, but for bodies: a prompt of engine.max_model_len (up to 2**20) token ids
-# as JSON takes up to 8 bytes a token; and every new connection may come from one address: on
-# loopback all clients are 127.0.0.1, and an agent program opening 256 episodes' connections at
-# once must not have half of them closed before their keys are read.
-GATEWAY_LIMITS = ServerLimits(max_request_bytes=8 << 20, max_unauthenticated_per_peer=256)
+# The env server's limits, but: for bodies, a prompt of engine.max_model_len (up to 2**20) token ids
+# as JSON takes up to 8 bytes a token; every new connection may come from one address (on loopback
+# all clients are 127.0.0.1, and an agent program opening 256 episodes' connections at once must not
+# have half of them closed before their keys are read); and idle connections are kept longer than
+# the clients' pools keep theirs (httpx, and so the openai SDK: 5 s), so that the server never
+# closes one that a client is reusing at that moment (a "Connection error" of an agent's request).
+GATEWAY_LIMITS = ServerLimits(max_request_bytes=8 << 20, max_unauthenticated_per_peer=256, keep_alive_s=30.0)
 
 
 class CompletionBody(BaseModel):
