@@ -270,7 +270,8 @@ def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engi
         await agent.close()
         # `asyncrl bench chat`'s measurement, on the same gateway: 4 conversations of 2 turns a side
         figures = await measure(gateway, agent.problems("heldout")[:4], SamplingSpec(max_new_tokens=32), turns=2,
-                                max_tokens=16, rounds=1)
+                                max_tokens=16, rounds=1, tokenizer_path=cfg.model.path,
+                                chat_template=cfg.model.chat_template)
         await gateway.stop()
         return groups, figures
 

@@ -1,16 +1,19 @@
 """`asyncrl bench chat`: what the chat endpoint costs on top of the token endpoint, on the same engine.
 
-    asyncrl bench chat recipe=arith_openai bench.max_new_tokens=48     # 64 sessions x 3 turns
+    asyncrl bench chat recipe=arith_openai bench.max_new_tokens=48     # 64 conversations x 3 turns
 
 In one run, one engine (a Ray actor) behind one rollout gateway in this process (served on
 loopback, as a rollout worker serves it), and `bench.num_prompts` concurrent multi-turn
 conversations of `bench.chat_turns` turns, each turn at most `bench.max_new_tokens` tokens with
-the recipe's sampling, a user message ("Go on.") between turns:
+the recipe's sampling, a user message ("Go on.") between turns. The conversations are played by a
+client process of their own, as agent programs are (`python -m asyncrl.bench.chat`, which times
+them from its first request to its last answer):
   (a) token endpoint: `POST /v1/completions` with token ids over httpx; the client keeps the
       conversation as tokens itself (the template's rendering of each new message appended to
       what was sampled), the best a token-level agent can do;
-  (b) chat endpoint: the real `openai` client (`AsyncOpenAI`), one session per conversation,
-      resending the whole conversation as messages each turn, as chat agents do.
+  (b) chat endpoint: the real `openai` client (`AsyncOpenAI`, one HTTP client shared), one
+      session per conversation, resending the whole conversation as messages each turn, as chat
+      agents do.
 Both sample the same distribution (the chat template's end of turn stops both). `bench.rounds`
 rounds alternate which side goes first; the ratio is the median of the per-round ratios of
 tokens/s. The chat endpoint's own cost per turn (checks, prefix match, rendering, parsing the
@@ -21,15 +24,15 @@ answer: everything but generation) is measured inside the endpoint. Last line, o
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any
 
 import httpx
-import ray
 
-from asyncrl import actors
 from asyncrl.bench.config import BenchConfig
 from asyncrl.config import Config
 from asyncrl.types import SamplingSpec
@@ -37,66 +40,92 @@ from asyncrl.types import SamplingSpec
 USER_TURN = {"role": "user", "content": "Go on."}
 
 
-async def _token_conversation(http: httpx.AsyncClient, url: str, key: str, chat: Any, messages: list[dict],
-                              tools: list[dict], turns: int, max_tokens: int, temperature: float) -> int:
+# -- the client process: `python -m asyncrl.bench.chat` < job ------------------------------------
+
+async def _token_conversation(http: httpx.AsyncClient, job: dict[str, Any], chat: Any, conversation: dict) -> int:
     """(a): one conversation over /v1/completions, kept as tokens by the client; tokens generated."""
-    eot = chat.end_of_turn
-    ids, tokens = chat.prompt(messages, tools), 0
-    for turn in range(turns):
+    ids, tokens = chat.prompt(conversation["messages"], conversation["tools"]), 0
+    for turn in range(job["turns"]):
         if turn:
-            ids += chat.append_ids([USER_TURN], ids[-len(eot.closing):])
-        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": temperature}
-        r = await http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+            ids += chat.append_ids([USER_TURN], ids[-len(chat.end_of_turn.closing):])
+        body = {"prompt": ids, "max_tokens": job["max_tokens"], "temperature": job["temperature"]}
+        r = await http.post(job["token_url"], json=body, headers={"Authorization": f"Bearer {job['token_key']}"})
         r.raise_for_status()
         sampled = r.json()["choices"][0]["token_ids"]
         ids, tokens = ids + sampled, tokens + len(sampled)
     return tokens
 
 
-async def _chat_conversation(http: httpx.AsyncClient, sessions: Any, sampling: SamplingSpec, messages: list[dict],
-                             tools: list[dict], turns: int, max_tokens: int) -> int:
-    """(b): one conversation through the chat endpoint with the `openai` client (over the side's one
-    HTTP client, as the example agents share theirs); tokens generated."""
+async def _chat_conversation(http: httpx.AsyncClient, job: dict[str, Any], conversation: dict) -> int:
+    """(b): one conversation through the chat endpoint with the `openai` client; tokens generated."""
     import openai
 
-    ticket = await sessions.open_session(sampling)
-    client = openai.AsyncOpenAI(base_url=ticket.base_url, api_key=ticket.api_key, max_retries=0, http_client=http)
-    tokens = 0
-    try:
-        messages = list(messages)
-        for turn in range(turns):
-            if turn:
-                messages.append(USER_TURN)
-            reply = await client.chat.completions.create(model=ticket.model, messages=messages, tools=tools,
-                                                         max_tokens=max_tokens)
-            messages.append(reply.choices[0].message.model_dump())
-            tokens += reply.usage.completion_tokens
-    finally:
-        sessions.close_session(ticket.session_id)
+    client = openai.AsyncOpenAI(base_url=conversation["base_url"], api_key=conversation["api_key"], max_retries=0,
+                                http_client=http)
+    messages, tokens = list(conversation["messages"]), 0
+    for turn in range(job["turns"]):
+        if turn:
+            messages.append(USER_TURN)
+        reply = await client.chat.completions.create(model=conversation["model"], messages=messages,
+                                                     tools=conversation["tools"] or None,
+                                                     max_tokens=job["max_tokens"])
+        messages.append(reply.choices[0].message.model_dump())
+        tokens += reply.usage.completion_tokens
     return tokens
 
 
-async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, turns: int, max_tokens: int,
-                  rounds: int, warmup_rounds: int = 0, settle_s: float = 0.0) -> dict[str, Any]:
-    """Both sides on `gateway` (chat sessions on, served), `rounds` times (module docstring)."""
-    from agent_loops.chat import chat_format
+async def _play(job: dict[str, Any]) -> dict[str, float]:
+    """A side's conversations, all at once; the tokens they generated and the seconds they took."""
+    chat = None
+    if job["side"] == "token":
+        from agent_loops.chat import chat_format
+        from asyncrl.agents.api import load_tokenizer
 
+        chat = chat_format(load_tokenizer(job["tokenizer_path"], job["chat_template"]))
+    n = len(job["conversations"])
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as http:
+        t0 = time.monotonic()
+        jobs = [_token_conversation(http, job, chat, c) if chat is not None else _chat_conversation(http, job, c)
+                for c in job["conversations"]]
+        tokens = sum(await asyncio.gather(*jobs))
+        return {"tokens": tokens, "seconds": time.monotonic() - t0}
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+async def _side(job: dict[str, Any]) -> tuple[int, float]:
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "asyncrl.bench.chat", stdin=pipe, stdout=pipe,
+                                                stderr=pipe)
+    out, err = await proc.communicate(json.dumps(job).encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {job['side']} side's client failed ({proc.returncode}): {err.decode()[-2000:]}")
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    return result["tokens"], result["seconds"]
+
+
+async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, turns: int, max_tokens: int,
+                  rounds: int, tokenizer_path: str, chat_template: str = "", warmup_rounds: int = 0,
+                  settle_s: float = 0.0) -> dict[str, Any]:
+    """Both sides on `gateway` (chat sessions on), `rounds` times (module docstring)."""
     endpoint, sessions = await gateway.serve(), gateway.sessions
-    chat = chat_format(gateway.tokenizer)
-    limits = httpx.Limits(max_connections=len(problems), max_keepalive_connections=len(problems))
+    base = {"turns": turns, "max_tokens": max_tokens, "temperature": sampling.temperature,
+            "tokenizer_path": tokenizer_path, "chat_template": chat_template,
+            "token_url": f"{endpoint.base_url}/completions", "token_key": endpoint.api_key}
 
     async def side(name: str) -> tuple[int, float]:
-        t0 = time.monotonic()
-        async with httpx.AsyncClient(limits=limits, timeout=600) as http:
-            if name == "token":
-                jobs = [_token_conversation(http, f"{endpoint.base_url}/completions", endpoint.api_key, chat,
-                                            p.messages, p.tools, turns, max_tokens, sampling.temperature)
-                        for p in problems]
-            else:
-                jobs = [_chat_conversation(http, sessions, sampling, p.messages, p.tools, turns, max_tokens)
-                        for p in problems]
-            tokens = sum(await asyncio.gather(*jobs))
-        return tokens, time.monotonic() - t0
+        if name == "token":
+            return await _side({**base, "side": name, "conversations": [
+                {"messages": p.messages, "tools": p.tools} for p in problems]})
+        tickets = [await sessions.open_session(sampling) for _ in problems]
+        try:
+            return await _side({**base, "side": name, "conversations": [
+                {"messages": p.messages, "tools": p.tools, "base_url": t.base_url, "api_key": t.api_key,
+                 "model": t.model} for p, t in zip(problems, tickets)]})
+        finally:
+            for t in tickets:
+                sessions.close_session(t.session_id)
 
     for _ in range(warmup_rounds):
         await side("token")
@@ -127,6 +156,9 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
 
 
 async def _chat_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
+    import ray
+
+    from asyncrl import actors
     from asyncrl.agents.registry import build_agents
     from asyncrl.rollout.chat_sessions import ChatSettings
     from asyncrl.rollout.gateway import InferenceGateway
@@ -143,15 +175,24 @@ async def _chat_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                             top_p=cfg.rollout.top_p)
     try:
         return await measure(gateway, agent.problems("heldout")[: bench.num_prompts], sampling, turns, max_tokens,
-                             bench.rounds, bench.warmup_rounds, bench.settle_s)
+                             bench.rounds, cfg.model.tokenizer_path or cfg.model.path, cfg.model.chat_template,
+                             bench.warmup_rounds, bench.settle_s)
     finally:
         await gateway.stop()
         ray.kill(engine)
 
 
 def run_chat_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
+    import ray
+
+    from asyncrl import actors
+
     actors.start_local_ray(cfg, dashboard=False, log_to_driver=False)
     try:
         return asyncio.run(_chat_bench(cfg, bench))
     finally:
         ray.shutdown()
+
+
+if __name__ == "__main__":  # the client process
+    print(json.dumps(asyncio.run(_play(json.loads(sys.stdin.read())))))
