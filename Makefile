@@ -41,6 +41,7 @@ test-fast: venv
 bench: venv base-model
 	@mkdir -p build/bench
 	$(BIN)/asyncrl bench rollout recipe=arith bench.rounds=7 | tee build/bench/rollout.log
+	$(BIN)/asyncrl bench chat recipe=arith_openai bench.max_new_tokens=48 bench.rounds=5 | tee build/bench/chat.log
 	$(BIN)/python scripts/request_cost.py --requests 2048 --rounds 3 | tee build/bench/request_cost.log
 	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=7 | tee build/bench/weight_sync.log
 	$(BIN)/asyncrl bench weight-sync recipe=arith bench.rounds=11 engine.cpu_prepack_weights=false \
