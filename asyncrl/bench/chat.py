@@ -88,13 +88,14 @@ async def _play(job: dict[str, Any]) -> dict[str, float]:
         t0 = time.monotonic()
         jobs = [_token_conversation(http, job, chat, c) if chat is not None else _chat_conversation(http, job, c)
                 for c in job["conversations"]]
+        cpu0 = time.process_time()
         tokens = sum(await asyncio.gather(*jobs))
-        return {"tokens": tokens, "seconds": time.monotonic() - t0}
+        return {"tokens": tokens, "seconds": time.monotonic() - t0, "cpu_s": time.process_time() - cpu0}
 
 
 # -- the benchmark --------------------------------------------------------------------------------
 
-async def _side(job: dict[str, Any]) -> tuple[int, float]:
+async def _side(job: dict[str, Any]) -> tuple[int, float, float]:
     pipe = asyncio.subprocess.PIPE
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "asyncrl.bench.chat", stdin=pipe, stdout=pipe,
                                                 stderr=pipe)
@@ -102,7 +103,7 @@ async def _side(job: dict[str, Any]) -> tuple[int, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"the {job['side']} side's client failed ({proc.returncode}): {err.decode()[-2000:]}")
     result = json.loads(out.decode().strip().splitlines()[-1])
-    return result["tokens"], result["seconds"]
+    return result["tokens"], result["seconds"], result["cpu_s"]
 
 
 async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, turns: int, max_tokens: int,
@@ -114,7 +115,7 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
             "tokenizer_path": tokenizer_path, "chat_template": chat_template,
             "token_url": f"{endpoint.base_url}/completions", "token_key": endpoint.api_key}
 
-    async def side(name: str) -> tuple[int, float]:
+    async def side(name: str) -> tuple[int, float, float]:
         if name == "token":
             return await _side({**base, "side": name, "conversations": [
                 {"messages": p.messages, "tools": p.tools} for p in problems]})
@@ -131,12 +132,18 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
         await side("token")
         await side("chat")
     rates: dict[str, list[float]] = {"token": [], "chat": []}
+    # CPU seconds per 1000 tokens of the client process and of this one (the gateway's), per side
+    client_cpu: dict[str, list[float]] = {"token": [], "chat": []}
+    gateway_cpu: dict[str, list[float]] = {"token": [], "chat": []}
     sessions.turns, sessions.overhead_s = 0, 0.0
     for r in range(rounds):
         for name in ("token", "chat") if r % 2 == 0 else ("chat", "token"):
             await asyncio.sleep(settle_s)  # the engine's processes have stopped polling
-            tokens, seconds = await side(name)
+            cpu0 = time.process_time()
+            tokens, seconds, cpu_s = await side(name)
             rates[name].append(tokens / seconds)
+            client_cpu[name].append(1e3 * cpu_s / tokens)
+            gateway_cpu[name].append(1e3 * (time.process_time() - cpu0) / tokens)
         print(f"round {r}: token endpoint {rates['token'][-1]:.0f} tok/s, chat endpoint "
               f"{rates['chat'][-1]:.0f} tok/s", flush=True)
     ratios = [c / t for t, c in zip(rates["token"], rates["chat"])]
@@ -147,6 +154,8 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
         "ratio": round(statistics.median(ratios), 3),
         "round_ratios": [round(x, 3) for x in ratios],
         "overhead_ms_per_turn": round(1e3 * sessions.overhead_s / max(1, sessions.turns), 3),
+        "client_cpu_s_per_1k_tokens": {k: round(statistics.median(v), 3) for k, v in client_cpu.items()},
+        "gateway_cpu_s_per_1k_tokens": {k: round(statistics.median(v), 3) for k, v in gateway_cpu.items()},
         "chat_turns": sessions.turns,
         "sessions": len(problems),
         "turns": turns,
