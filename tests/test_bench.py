@@ -69,8 +69,8 @@ def test_rollout_bench_prints_its_figures_as_the_last_line(tmp_path, base_model)
 
 def test_unknown_benchmark_is_refused(tmp_path):
     out = run_cli("bench", "nope", cwd=tmp_path)
-    usage = ("usage: asyncrl bench {rollout,weight-sync,sync-vs-async,faults,elastic,staleness,routing-replay,simulate,"
-             "calibrate,trainer}")
+    usage = ("usage: asyncrl bench {rollout,chat,weight-sync,sync-vs-async,faults,elastic,staleness,routing-replay,"
+             "simulate,calibrate,trainer}")
     assert out.returncode == 2 and usage in out.stderr
 
 
