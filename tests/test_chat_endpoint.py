@@ -316,7 +316,7 @@ def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, t
         "crash": ("import sys; sys.exit('boom')", {"max_restarts": 1}, "agent_failed"),
         "server_crash": ("import sys; sys.stdin.readline(); sys.exit('boom')", {"max_restarts": 1, "mode": "server"},
                          "agent_failed"),
-        "hang": ("import time; time.sleep(600)", {"timeout_s": 1.0}, "agent_timeout"),
+        "hang": ("import signal; signal.pause()", {"timeout_s": 1.0}, "agent_timeout"),  # blocks until killed
         "silent": ("print('nothing to say')", {}, "agent_silent"),
     }
 

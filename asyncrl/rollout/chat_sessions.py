@@ -215,14 +215,25 @@ def conversation(body: ChatBody) -> Conversation:
                 arguments = None
             if not isinstance(arguments, dict):
                 raise ChatRefusal(400, "bad_request", f"{at}.arguments: not a JSON object", f"{at}.arguments")
-            calls.append({"type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            calls.append((call.function.name, arguments))
             open_calls[call.id] = call.function.name
-        messages.append({"role": "assistant", "content": _text(m.content), **({"tool_calls": calls} if calls else {})})
+        messages.append(_assistant(_text(m.content), calls))
     if body.messages[-1].role == "assistant":
         raise ChatRefusal(400, "bad_request", "messages: the last message is the assistant's: there is nothing to "
                           "answer (continuing an assistant message is not supported)", "messages")
-    keys = [json.dumps(m, sort_keys=True, ensure_ascii=False) for m in messages]
-    return Conversation(messages, keys, tools, json.dumps(tools, sort_keys=True))
+    return Conversation(messages, [_key(m) for m in messages], tools, json.dumps(tools, sort_keys=True))
+
+
+def _assistant(content: str, calls: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """An assistant message as the template renders it (and as sessions compare it): its text and
+    its calls by name and parsed arguments (ids and the SDKs' empty fields left out)."""
+    rendered = [{"type": "function", "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+    return {"role": "assistant", "content": content, **({"tool_calls": rendered} if rendered else {})}
+
+
+def _key(message: dict[str, Any]) -> str:
+    """What a session compares a message by: its rendering form, canonical."""
+    return json.dumps(message, sort_keys=True, ensure_ascii=False)
 
 
 # -- sessions ------------------------------------------------------------------------------
@@ -454,12 +465,12 @@ class ChatSessions(ChatSessionHost):
         t1 = time.perf_counter()
         result = await self.generate(ids, sampling, rid)
         t2 = time.perf_counter()
-        message, finish = self._message(result, stop, calls_on, {t["function"]["name"] for t in conv.tools})
+        message, finish, answer_key = self._message(result, stop, calls_on, {t["function"]["name"] for t in conv.tools})
         if session.session_id:  # commit: the branch takes the turn's tokens and the messages they stand for
             if plan.env_ids:
                 branch.segments.append(Segment.from_env(plan.env_ids))
             branch.segments.append(Segment.from_policy(result.token_ids, result.logprobs, result.versions))
-            branch.keys = list(conv.keys) + [_answer_key(message)]
+            branch.keys = list(conv.keys) + [answer_key]
             branch.marks.append((len(branch.keys), len(branch.response())))
             branch.turns += 1
             branch.tool_calls += len(message.get("tool_calls") or [])
@@ -481,8 +492,9 @@ class ChatSessions(ChatSessionHost):
                           "total_tokens": len(ids) + len(result.token_ids)}}
 
     def _message(self, result: GenerationResult, stop: list[str], calls_on: bool,
-                 tools: set[str]) -> tuple[dict[str, Any], str]:
-        """The assistant message of a turn's tokens, and its finish reason. Calls are read with the
+                 tools: set[str]) -> tuple[dict[str, Any], str, str]:
+        """The assistant message of a turn's tokens, its finish reason, and its key as the client will
+        send it back (`conversation`'s normalization). Calls are read with the
         run's tool parser; a turn with a malformed call, or one to a tool not offered, is answered
         as its text (the agent sees what the model wrote; the history could not name that tool)."""
         chat = self.chat()
@@ -495,15 +507,18 @@ class ChatSessions(ChatSessionHost):
             if finish == "stop" and s and text.endswith(s):
                 text = text[: -len(s)]
                 break
-        calls: list[ToolCall] = get_tool_parser(self.settings.tool_parser).parse(text) if calls_on else []
+        parser = get_tool_parser(self.settings.tool_parser)
+        calls: list[ToolCall] = parser.parse(text) if calls_on else []
         if calls and all(not c.error and c.name in tools and isinstance(c.arguments, dict) for c in calls):
-            opening = text.find(get_tool_parser(self.settings.tool_parser).opening)
+            opening = text.find(parser.opening)
             content = text[:opening].strip() if opening >= 0 else ""
-            return {"role": "assistant", "content": content or None, "tool_calls": [
+            message = {"role": "assistant", "content": content or None, "tool_calls": [
                 {"id": f"call_{secrets.token_hex(8)}", "type": "function",
                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                for c in calls]}, "tool_calls" if finish == "stop" else finish
-        return {"role": "assistant", "content": text}, finish
+                for c in calls]}
+            key = _key(_assistant(content, [(c.name, c.arguments) for c in calls]))
+            return message, "tool_calls" if finish == "stop" else finish, key
+        return {"role": "assistant", "content": text}, finish, _key(_assistant(text, []))
 
     def _logprobs(self, result: GenerationResult) -> dict[str, Any]:
         out = []
@@ -511,16 +526,6 @@ class ChatSessions(ChatSessionHost):
             text = self.tokenizer.decode([token])
             out.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
         return {"content": out}
-
-
-def _answer_key(message: dict[str, Any]) -> str:
-    """The key of an answer as its client will send it back (normalized as `conversation` does)."""
-    calls = [{"type": "function", "function": {"name": c["function"]["name"],
-                                                "arguments": json.loads(c["function"]["arguments"])}}
-             for c in message.get("tool_calls") or []]
-    normalized = {"role": "assistant", "content": message.get("content") or "",
-                  **({"tool_calls": calls} if calls else {})}
-    return json.dumps(normalized, sort_keys=True, ensure_ascii=False)
 
 
 def _common_prefix(a: list[str], b: list[str]) -> int:

@@ -53,6 +53,17 @@ def calculator(expression: str) -> str:
     return str(int(result)) if isinstance(result, float) and result.is_integer() else str(result)
 
 
+def tool_results(message: Any) -> list[dict[str, Any]]:
+    """The tool messages answering an assistant message's calls (the calculator's, or an error)."""
+    results = []
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        output = calculator(str(arguments.get("expression", ""))) if call.function.name == "calculator" \
+            else f"error: no tool {call.function.name!r}"
+        results.append({"role": "tool", "tool_call_id": call.id, "content": output})
+    return results
+
+
 def first_messages(problem: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation a problem starts with: its messages, or its prompt as the user's."""
     return list(problem["messages"]) or [{"role": "user", "content": problem["prompt"]}]

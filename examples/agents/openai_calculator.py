@@ -9,10 +9,9 @@ answer. How asyncrl runs it (one episode, or many with --serve): episodes.py.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from episodes import calculator, first_messages, main
+from episodes import first_messages, main, tool_results
 from openai import AsyncOpenAI
 
 MAX_TURNS = 4
@@ -27,11 +26,7 @@ async def play(client: AsyncOpenAI, model: str, problem: dict[str, Any]) -> str 
         messages.append(message.model_dump())  # the whole message back, as most agents keep it
         if not message.tool_calls:
             break
-        for call in message.tool_calls:
-            arguments = json.loads(call.function.arguments)
-            output = calculator(str(arguments.get("expression", ""))) if call.function.name == "calculator" \
-                else f"error: no tool {call.function.name!r}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+        messages += tool_results(message)
     return messages[-1].get("content")
 
 

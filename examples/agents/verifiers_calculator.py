@@ -18,14 +18,13 @@ It posts no reward: the run scores the answer. How asyncrl runs it (one episode,
 from __future__ import annotations
 
 import functools
-import json
 import os
 import uuid
 from typing import Any
 
 import httpx
 import verifiers.v1 as vf
-from episodes import calculator, first_messages, main
+from episodes import first_messages, main, tool_results
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 __all__ = ["CalculatorHarness", "CalculatorTaskset"]  # what verifiers looks up in this module
@@ -75,11 +74,7 @@ class CalculatorHarness(vf.Harness[vf.HarnessConfig]):
             messages.append(message.model_dump(exclude_none=True))  # as verifiers' own chat loop keeps it
             if not message.tool_calls:
                 break
-            for call in message.tool_calls:
-                arguments = json.loads(call.function.arguments)
-                output = calculator(str(arguments.get("expression", ""))) if call.function.name == "calculator" \
-                    else f"error: no tool {call.function.name!r}"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+            messages += tool_results(message)
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
 
