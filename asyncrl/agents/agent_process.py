@@ -33,10 +33,11 @@ episodes count as exits with its code and it is started again for the next.
 The episode ends when the program exits, or `params.reward_grace_s` after it posted its reward
 (then it is stopped). Its reward is the posted one, or else the dataset's reward of the last
 branch's response (decoded as the in-process chat loops' are). Failures are counted and never lose
-the prompt: a program that exits non-zero (or is killed) before posting a reward runs its episode
+the prompt: a program that exits non-zero (or is killed) before posting a reward, or an episode
+that sent no chat request (its first request lost with its connection, say), runs its episode
 again in a fresh session, at most `params.max_restarts` times (`agent_restart`), then the sample
-fails (`agent_failed`); an episode past `params.timeout_s` is stopped and fails (`agent_timeout`);
-an episode that sent no chat request fails (`agent_silent`). The group always ends.
+fails (`agent_failed`, `agent_silent`); an episode past `params.timeout_s` is stopped and fails
+(`agent_timeout`). The group always ends.
 
 Branches (the program rewrote its history): `params.branches` = all (default) makes every branch a
 trajectory of the group with the episode's reward (a branch's tokens shared with an earlier branch
@@ -51,6 +52,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -82,7 +84,7 @@ class AgentProcessParams(DatasetParams):
     command: list[str] = MISSING  # argv; "{python}" is the worker's interpreter
     env: dict[str, str] = field(default_factory=dict)  # added to the program's environment
     timeout_s: float = 600.0  # an episode's wall time, at most
-    max_restarts: int = 2  # a program that dies before its reward runs its episode again, this many times
+    max_restarts: int = 2  # an episode whose program dies before its reward (or asks nothing) runs again
     reward_grace_s: float = 10.0  # after posting its reward, the program has this long to exit
     branches: str = "all"  # all | last (module docstring)
     mode: str = "episode"  # episode: a process per episode | server: one per rollout worker (module docstring)
@@ -99,6 +101,9 @@ class AgentProcessAgent(DatasetAgent):
         p = params
         if not p.command or not all(isinstance(a, str) and a for a in p.command):
             raise ValueError(f"env {self.env_id!r}: params.command must be a non-empty list of arguments")
+        if p.command[0] != "{python}" and shutil.which(p.command[0]) is None:
+            raise ValueError(f"env {self.env_id!r}: params.command[0]={p.command[0]!r} is not an executable program "
+                             f"here (an agent's virtualenv is made by `make venv`: scripts/setup_agent_venvs.sh)")
         if p.mode not in MODES:
             raise ValueError(f"env {self.env_id!r}: params.mode={p.mode!r}: must be one of {', '.join(MODES)}")
         if p.branches not in BRANCHES:
@@ -155,13 +160,14 @@ class AgentProcessAgent(DatasetAgent):
                 break
             if code != 0 and record.reward is None:
                 why = f"agent_failed: {p.command[-1]} exited with {code}: {_tail(output)}"
+            elif not record.branches:  # e.g. its first request never reached the endpoint (connection lost)
+                why = f"agent_silent: the episode ended (exit code {code}) without a chat request: {_tail(output)}"
+            if why:
                 if attempt < p.max_restarts:
                     host.count("agent_restart", why)
                     logger.warning("env %s: %s; its episode runs again", self.env_id, why)
+                    why = ""
                     continue
-                break
-            if not record.branches:
-                why = f"agent_silent: the episode ended (exit code {code}) without a chat request: {_tail(output)}"
                 break
             kept = record.branches if p.branches == "all" else record.branches[-1:]
             for t in kept:

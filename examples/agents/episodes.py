@@ -8,7 +8,7 @@ asyncrl's agent_process agent (asyncrl/agents/agent_process.py):
                 stdout when one is over; exits at the end of stdin (`mode: server`)
 
 An example gives `play(client, model, problem)`, one episode with an `AsyncOpenAI` client, and
-calls `main(play)`.
+calls `main(play)` (with `close`, what its episodes shared is closed after the last).
 """
 
 from __future__ import annotations
@@ -94,13 +94,18 @@ async def _serve(play: Play) -> None:
     await asyncio.gather(*running)
 
 
-async def _main(play: Play) -> None:
-    if "--serve" in sys.argv:
-        return await _serve(play)
-    async with AsyncOpenAI(timeout=TIMEOUT) as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
-        answer = await play(client, os.environ.get("ASYNCRL_MODEL", "asyncrl"), json.load(sys.stdin))
-    print(json.dumps({"answer": answer}))
+async def _main(play: Play, close: Callable[[], Awaitable[Any]] | None) -> None:
+    try:
+        if "--serve" in sys.argv:
+            return await _serve(play)
+        async with AsyncOpenAI(timeout=TIMEOUT) as client:  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+            answer = await play(client, os.environ.get("ASYNCRL_MODEL", "asyncrl"), json.load(sys.stdin))
+        print(json.dumps({"answer": answer}))
+    finally:
+        if close is not None:
+            await close()
 
 
-def main(play: Play) -> None:
-    asyncio.run(_main(play))
+def main(play: Play, close: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Run the program's episode(s) with `play`; `close()` after the last (what the episodes shared)."""
+    asyncio.run(_main(play, close))

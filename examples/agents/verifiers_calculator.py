@@ -9,7 +9,9 @@ tools are MCP servers; this harness instead runs the loop in this process, with 
 a plain function, which verifiers allows as long as every model call goes to the endpoint it
 hands the harness. That endpoint is verifiers' interception proxy: it records the turn on the
 episode's trace and relays the request to our model, with an HTTP client of its own per episode
-(base URL, key and timeouts from ours).
+(base URL, key and timeouts from ours). One env serves every episode of the process (as one env
+serves an evaluation's tasks): its proxy starts once, each episode is one task with its own model
+endpoint (its session).
 
 It posts no reward: the run scores the answer. How asyncrl runs it (one episode, or many with
 --serve): episodes.py.
@@ -17,6 +19,8 @@ It posts no reward: the run scores the answer. How asyncrl runs it (one episode,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
 import uuid
@@ -46,16 +50,19 @@ class CalculatorTask(vf.Task[CalculatorData, vf.State]):
 
 
 class CalculatorTasksetConfig(vf.TasksetConfig):
-    problem: dict[str, Any] = {}
+    pass
 
 
 class CalculatorTaskset(vf.Taskset[CalculatorTask, CalculatorTasksetConfig]):
-    """One task: the problem this episode was given."""
+    """No tasks of its own: each episode's task is its problem (task())."""
 
     def load(self):
-        problem = self.config.problem
-        yield CalculatorTask(CalculatorData(id=problem["prompt_id"], prompt=first_messages(problem),
-                                            tools=problem["tools"]))
+        return iter(())
+
+
+def task(problem: dict[str, Any]) -> CalculatorTask:
+    data = CalculatorData(id=problem["prompt_id"], prompt=first_messages(problem), tools=problem["tools"])
+    return CalculatorTask(data)
 
 
 class CalculatorHarness(vf.Harness[vf.HarnessConfig]):
@@ -78,20 +85,35 @@ class CalculatorHarness(vf.Harness[vf.HarnessConfig]):
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
 
 
+_ENV: vf.SingleAgentEnv | None = None
+_SERVING = asyncio.Lock()
+_RESOURCES = contextlib.AsyncExitStack()  # the env's serving, held until the process exits
+
+
+async def serving_env() -> vf.SingleAgentEnv:
+    """The process's env, serving (its interception proxy started) from the first episode on."""
+    global _ENV
+    async with _SERVING:
+        if _ENV is None:
+            # verifiers finds the taskset (and its harness) by module name: this module, run or imported.
+            env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(
+                taskset=CalculatorTasksetConfig(id=__name__),
+                agent=vf.AgentConfig(runtime=vf.SubprocessConfig())))  # its default runtime is a remote sandbox
+            await _RESOURCES.enter_async_context(env.serving())
+            _ENV = env
+    return _ENV
+
+
 async def play(client: AsyncOpenAI, model: str, problem: dict[str, Any]) -> str:
-    """One episode: the env's one rollout of the problem, through our client's endpoint; its answer."""
-    # verifiers finds the taskset (and its harness) by module name: this module, run or imported.
-    env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(
-        taskset=CalculatorTasksetConfig(id=__name__, problem=problem),
-        agent=vf.AgentConfig(runtime=vf.SubprocessConfig())))  # its default runtime is a remote sandbox
+    """One episode: the env's rollout of the problem, through our client's endpoint; its answer."""
+    env = await serving_env()
     # verifiers takes no client, but an endpoint: our client's, whose key it reads from a variable
     key_var = f"ASYNCRL_API_KEY_{uuid.uuid4().hex}"
     os.environ[key_var] = client.api_key
     endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var=key_var,
                                    timeout=httpx.Timeout(client.timeout).as_dict())
     try:
-        async with env.serving():
-            episode = await env.run_episode(next(iter(env.taskset)), vf.ModelContext(model=model, client=endpoint))
+        episode = await env.run_episode(task(problem), vf.ModelContext(model=model, client=endpoint))
     finally:
         del os.environ[key_var]
     if not episode.ok:
@@ -101,4 +123,4 @@ async def play(client: AsyncOpenAI, model: str, problem: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    main(play)
+    main(play, close=_RESOURCES.aclose)
