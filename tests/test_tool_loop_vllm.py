@@ -268,7 +268,7 @@ def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engi
             if any(len(t.segments) > 1 for g in groups for t in g.trajectories):
                 break
         await agent.close()
-        # `asyncrl bench chat`'s measurement, on the same gateway: 4 conversations of 2 turns a side
+        # `asyncrl bench chat`'s measurement, on the same gateway: 4 conversations of 2 turns a side (3 sides)
         figures = await measure(gateway, agent.problems("heldout")[:4], SamplingSpec(max_new_tokens=32), turns=2,
                                 max_tokens=16, rounds=1, tokenizer_path=cfg.model.path,
                                 chat_template=cfg.model.chat_template)
@@ -276,7 +276,8 @@ def test_an_openai_client_agent_plays_through_the_chat_endpoint_on_the_real_engi
         return groups, figures
 
     groups, figures = asyncio.run(play())
-    assert figures["token_tok_s"] > 0 and figures["chat_tok_s"] > 0 and figures["chat_turns"] == 8
+    assert figures["token_tok_s"] > 0 and figures["chat_tok_s"] > 0 and figures["chat_http_tok_s"] > 0
+    assert figures["chat_turns"] == 16  # both chat sides' turns, every one through a session
     assert 0 < figures["overhead_ms_per_turn"] < 1000
     trajectories = [t for g in groups for t in g.trajectories]
     assert all(t.status is not TrajectoryStatus.FAILED for t in trajectories), \

@@ -13,17 +13,20 @@ them from its first request to its last answer):
       what was sampled), the best a token-level agent can do;
   (b) chat endpoint: the real `openai` client (`AsyncOpenAI`, one HTTP client shared), one
       session per conversation, resending the whole conversation as messages each turn, as chat
-      agents do.
-Both sample the same distribution (the chat template's end of turn stops both). `bench.rounds`
-rounds alternate which side goes first; the ratio is the median of the per-round ratios of
-tokens/s. The chat endpoint's own cost per turn (checks, prefix match, rendering, parsing the
+      agents do;
+  (c) chat endpoint, plain HTTP: (b)'s requests as JSON over httpx, without the SDK: the endpoint's
+      cost apart from the `openai` SDK's in the agent's process.
+All sample the same distribution (the chat template's end of turn stops them). `bench.rounds`
+rounds rotate which side goes first; a ratio is the median of the per-round ratios of tokens/s
+to the token side's. The chat endpoint's own cost per turn (checks, prefix match, rendering, parsing the
 answer: everything but generation) is measured inside the endpoint. Last line, one JSON object:
-  {"bench": "chat", "token_tok_s", "chat_tok_s", "ratio", "overhead_ms_per_turn", ...}
+  {"bench": "chat", "token_tok_s", "chat_tok_s", "ratio", "ratio_plain_http", "overhead_ms_per_turn", ...}
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -38,6 +41,7 @@ from asyncrl.config import Config
 from asyncrl.types import SamplingSpec
 
 USER_TURN = {"role": "user", "content": "Go on."}
+SIDES = ("token", "chat", "chat_http")  # (a), (b), (c) of the module docstring
 
 
 # -- the client process: `python -m asyncrl.bench.chat` < job ------------------------------------
@@ -74,6 +78,23 @@ async def _chat_conversation(http: httpx.AsyncClient, job: dict[str, Any], conve
     return tokens
 
 
+async def _chat_http_conversation(http: httpx.AsyncClient, job: dict[str, Any], conversation: dict) -> int:
+    """(c): (b)'s conversation as JSON over httpx, no SDK; tokens generated."""
+    url, key = f"{conversation['base_url']}/chat/completions", conversation["api_key"]
+    messages, tokens = list(conversation["messages"]), 0
+    for turn in range(job["turns"]):
+        if turn:
+            messages.append(USER_TURN)
+        body = {"model": conversation["model"], "messages": messages, "max_tokens": job["max_tokens"],
+                **({"tools": conversation["tools"]} if conversation["tools"] else {})}
+        r = await http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+        r.raise_for_status()
+        answer = r.json()
+        messages.append(answer["choices"][0]["message"])
+        tokens += answer["usage"]["completion_tokens"]
+    return tokens
+
+
 async def _play(job: dict[str, Any]) -> dict[str, float]:
     """A side's conversations, all at once; the tokens they generated and the seconds they took."""
     chat = None
@@ -86,8 +107,9 @@ async def _play(job: dict[str, Any]) -> dict[str, float]:
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
     async with httpx.AsyncClient(limits=limits, timeout=600) as http:
         t0 = time.monotonic()
-        jobs = [_token_conversation(http, job, chat, c) if chat is not None else _chat_conversation(http, job, c)
-                for c in job["conversations"]]
+        play = {"token": functools.partial(_token_conversation, chat=chat), "chat": _chat_conversation,
+                "chat_http": _chat_http_conversation}[job["side"]]
+        jobs = [play(http, job, conversation=c) for c in job["conversations"]]
         cpu0 = time.process_time()
         tokens = sum(await asyncio.gather(*jobs))
         return {"tokens": tokens, "seconds": time.monotonic() - t0, "cpu_s": time.process_time() - cpu0}
@@ -129,15 +151,15 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
                 sessions.close_session(t.session_id)
 
     for _ in range(warmup_rounds):
-        await side("token")
-        await side("chat")
-    rates: dict[str, list[float]] = {"token": [], "chat": []}
+        for name in SIDES:
+            await side(name)
+    rates: dict[str, list[float]] = {name: [] for name in SIDES}
     # CPU seconds per 1000 tokens of the client process and of this one (the gateway's), per side
-    client_cpu: dict[str, list[float]] = {"token": [], "chat": []}
-    gateway_cpu: dict[str, list[float]] = {"token": [], "chat": []}
+    client_cpu: dict[str, list[float]] = {name: [] for name in SIDES}
+    gateway_cpu: dict[str, list[float]] = {name: [] for name in SIDES}
     sessions.turns, sessions.overhead_s = 0, 0.0
     for r in range(rounds):
-        for name in ("token", "chat") if r % 2 == 0 else ("chat", "token"):
+        for name in SIDES[r % 3:] + SIDES[:r % 3]:
             await asyncio.sleep(settle_s)  # the engine's processes have stopped polling
             cpu0 = time.process_time()
             tokens, seconds, cpu_s = await side(name)
@@ -145,13 +167,16 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
             client_cpu[name].append(1e3 * cpu_s / tokens)
             gateway_cpu[name].append(1e3 * (time.process_time() - cpu0) / tokens)
         print(f"round {r}: token endpoint {rates['token'][-1]:.0f} tok/s, chat endpoint "
-              f"{rates['chat'][-1]:.0f} tok/s", flush=True)
+              f"{rates['chat'][-1]:.0f} tok/s (plain HTTP {rates['chat_http'][-1]:.0f})", flush=True)
     ratios = [c / t for t, c in zip(rates["token"], rates["chat"])]
+    http_ratios = [c / t for t, c in zip(rates["token"], rates["chat_http"])]
     return {
         "bench": "chat",
         "token_tok_s": round(statistics.median(rates["token"]), 1),
         "chat_tok_s": round(statistics.median(rates["chat"]), 1),
+        "chat_http_tok_s": round(statistics.median(rates["chat_http"]), 1),
         "ratio": round(statistics.median(ratios), 3),
+        "ratio_plain_http": round(statistics.median(http_ratios), 3),
         "round_ratios": [round(x, 3) for x in ratios],
         "overhead_ms_per_turn": round(1e3 * sessions.overhead_s / max(1, sessions.turns), 3),
         "client_cpu_s_per_1k_tokens": {k: round(statistics.median(v), 3) for k, v in client_cpu.items()},
