@@ -145,13 +145,20 @@ def test_gspo_clips_one_ratio_per_sequence():
         loss_of(logp, mu, [1, 1, 1], type="gspo")
 
 
-def test_icepop_masks_the_tokens_whose_mismatch_leaves_the_band():
-    # prox / mu: 0.5 / 0.25 = 2 (kept), 0.9 / 0.1 = 9 > 5 (masked), 0.1 / 0.4 = 0.25 < 0.5 (masked)
-    # the kept token: u = 0.55 / 0.5 = 1.1, no behaviour weight: loss -1.1 * A, gradient -1.1
+def test_icepop_weights_kept_tokens_by_their_mismatch_and_masks_the_others():
+    # prox / mu = k: 0.5 / 0.25 = 2 (kept), 0.9 / 0.1 = 9 > 5 (masked), 0.1 / 0.4 = 0.25 < 0.5 (masked)
+    # the kept token: u = 0.55 / 0.5 = 1.1 inside the clip, weighted by M(k) = k = 2 (IcePop's objective):
+    # loss -2 * 1.1 * A, gradient d/dlogp of -2 * u * A = -2.2
     out, grad = loss_of([log(0.55), log(0.9), log(0.1)], [log(0.25), log(0.1), log(0.4)], [1, 1, 1],
                         prox=[log(0.5), log(0.9), log(0.1)], type="icepop")
-    assert out.loss.item() == pytest.approx(-1.1) and grad.tolist() == pytest.approx([-1.1, 0.0, 0.0])
+    assert out.loss.item() == pytest.approx(-2.2) and grad.tolist() == pytest.approx([-2.2, 0.0, 0.0])
     assert out.sums["icepop_masked"] == 2 and float(out.tokens) == 1
+    assert float(out.sums["is_weight"]) == pytest.approx(2.0)  # the kept token's weight, the only one counted
+    # k = 5 is inside the band (closed), weighted 5 where decoupled_ppo truncates at importance_cap (2 here)
+    out, _ = loss_of([log(0.5)], [log(0.1)], [1], prox=[log(0.5)], type="icepop")
+    assert out.loss.item() == pytest.approx(-5.0) and out.sums["icepop_masked"] == 0
+    capped, _ = loss_of([log(0.5)], [log(0.1)], [1], prox=[log(0.5)], type="decoupled_ppo", importance_cap=2.0)
+    assert capped.loss.item() == pytest.approx(-2.0)
 
 
 def test_k3_kl_to_reference_and_entropy_bonus():

@@ -19,9 +19,10 @@ Loss types (`algorithm.loss.type`):
     gspo           s_i = exp(mean over sequence i's trained tokens of (logp - mu))   (GSPO)
                    l = -min(s_i*A, clip(s_i, 1-seq_eps_low, 1+seq_eps_high)*A) on each of
                    sequence i's tokens: with sequence aggregation, the mean over sequences
-    icepop         decoupled_ppo's clipped objective without the behaviour weight, on the
-                   tokens whose exp(prox - mu) lies in [icepop_low, icepop_high]; the
-                   others are masked out (IcePop)
+    icepop         k = exp(prox - mu),  M(k) = k inside [icepop_low, icepop_high], else 0
+                   l = -M(k) * min(u*A, clip(u, 1-eps_low, 1+eps_high)*A)   (IcePop: decoupled
+                   PPO whose behaviour weight masks the tokens outside the band instead of
+                   truncating them; those are out of every statistic too)
 Optional terms, added to l:
     k3 KL to a reference policy   kl_coef * (exp(ref - logp) - (ref - logp) - 1)
     entropy bonus                 -entropy_coef * H_t
@@ -128,13 +129,14 @@ def policy_loss(
             per_token = w * per_token
             sums["is_weight_truncated"] = ((raw_w > cap) & trained).sum()
         elif settings.type == "icepop":
-            raw_w = torch.exp(prox - mu).detach()
-            kept = (raw_w >= settings.icepop_low) & (raw_w <= settings.icepop_high)
+            k = torch.exp(prox - mu).detach()
+            kept = (k >= settings.icepop_low) & (k <= settings.icepop_high)
             sums["icepop_masked"] = (~kept & trained).sum()
             mask = mask * kept  # masked tokens: no gradient, and out of every statistic below
             trained = mask > 0
             clipped = clipped & trained
-            w = torch.ones_like(ratio)
+            w = k * kept  # M(k)
+            per_token = w * per_token
         else:
             w = torch.ones_like(ratio)
     sums["clip_fraction"] = clipped.sum()

@@ -321,8 +321,8 @@ class LossConfig:
     # grpo: PPO-clip against the behaviour logprobs; decoupled_ppo: against recomputed
     # proximal logprobs with a truncated behaviour weight; tis: truncated IS REINFORCE; gspo:
     # PPO-clip of a sequence-level ratio; cispo: REINFORCE with a clipped, stop-gradient IS
-    # weight on every token; icepop: decoupled PPO with the mismatched tokens masked out
-    # (asyncrl/algorithm/losses.py has the formulas).
+    # weight on every token; icepop: decoupled PPO whose behaviour weight is 0 outside a band
+    # instead of truncated (asyncrl/algorithm/losses.py has the formulas).
     type: str = "grpo"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28  # also cispo's IS weight bound: min(pi / mu, 1 + clip_eps_high)
@@ -330,7 +330,7 @@ class LossConfig:
     # gspo's clip of the sequence ratio: the GSPO paper's 3e-4 below, 4e-4 above
     seq_clip_eps_low: float = 3e-4
     seq_clip_eps_high: float = 4e-4
-    # icepop: tokens whose pi_prox / mu leaves [icepop_low, icepop_high] get no gradient (the paper's band)
+    # icepop: a token's weight is pi_prox / mu inside [icepop_low, icepop_high], 0 outside (the paper's band)
     icepop_low: float = 0.5
     icepop_high: float = 5.0
     kl_coef: float = 0.0  # k3 KL to the reference policy; 0 disables the reference model
