@@ -1,6 +1,7 @@
 """`asyncrl bench chat`: what the chat endpoint costs on top of the token endpoint, on the same engine.
 
     asyncrl bench chat recipe=arith_openai bench.max_new_tokens=48     # 64 conversations x 3 turns
+    ... engine.cpu_cores=0 rollout.cpu_cores=1   # the engine on a core of its own, the rest on the other
 
 In one run, one engine (a Ray actor) behind one rollout gateway in this process (served on
 loopback, as a rollout worker serves it), and `bench.num_prompts` concurrent multi-turn
@@ -194,6 +195,7 @@ async def _chat_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
 
     from asyncrl import actors
     from asyncrl.agents.registry import build_agents
+    from asyncrl.cpu_cores import bind_this_process
     from asyncrl.rollout.chat_sessions import ChatSettings
     from asyncrl.rollout.gateway import InferenceGateway
     from asyncrl.rollout.router import EngineRouter
@@ -202,6 +204,9 @@ async def _chat_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     one = replace(cfg, engine=replace(cfg.engine, num_engines=1))
     (engine,) = actors.create_engines(one, stream=False)
     await engine.start.remote()
+    # the gateway (this process) and the client process on rollout.cpu_cores: with engine.cpu_cores,
+    # cores of their own, as agents and a GPU's engine have (what the endpoint's CPU then costs is latency)
+    bind_this_process(cfg.rollout.cpu_cores)
     gateway = InferenceGateway(EngineRouter([engine]).client, agent.tokenizer,
                                chat=ChatSettings(cfg.tools.parser, cfg.engine.max_model_len, cfg.reward.max_abs))
     turns, max_tokens = bench.chat_turns, bench.max_new_tokens
