@@ -136,7 +136,7 @@ def test_presets_set_what_they_promise(base_model):
 
 @pytest.mark.parametrize("overrides,expected", [
     (["algorithm.loss.type=gspo", "algorithm.loss.aggregation=sequence"],
-     ["algorithm.loss.type='gspo'", "one advantage per sequence"]),
+     ["algorithm.loss.type='gspo'", "one advantage per sequence; algorithm.advantage=gae give(s) one per token"]),
     (["trainer.pipeline_parallel_size=2"],
      ["trainer.pipeline_parallel_size=2", "must be 1 with algorithm.advantage=gae"]),
     (["algorithm.critic.lam=1.5"], ["algorithm.critic.lam=1.5", "must be in [0, 1]"]),
@@ -148,6 +148,17 @@ def test_critic_settings_are_checked(overrides, expected, base_model):
     assert len(err.value.problems) == 1, err.value.problems
     for text in expected:
         assert text in str(err.value)
+
+
+def test_gspo_refuses_every_per_token_advantage_by_one_rule(base_model):
+    """GSPO's one ratio per sequence takes one advantage per sequence: a distillation teacher's
+    per-token term is refused as the critic's per-token advantages are (test_critic_settings_are_checked)."""
+    gspo = ["algorithm.loss.type=gspo", "algorithm.loss.aggregation=sequence"]
+    with pytest.raises(ConfigError) as err:
+        load_config([*gspo, f"algorithm.distill.teacher_path={base_model}"])
+    assert err.value.problems == ["algorithm.loss.type='gspo': gspo takes one advantage per sequence; "
+                                  "algorithm.distill.teacher_path give(s) one per token"]
+    load_config([*gspo])  # with group advantages it validates
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -119,6 +119,13 @@ def test_rloo_and_reinforce_pp_advantages_by_hand():
     assert [s.advantage for s in samples] == pytest.approx(expect)
     rloo = build_samples(groups, Loss(filter_uniform_groups=False), "rloo").samples
     assert [s.advantage for s in rloo] == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    # the filter's default (null) is by the advantage: REINFORCE++ keeps the uniform group b in its
+    # statistics (the same advantages as above), grpo and rloo leave it out (its advantages are all 0)
+    by_default = build_samples(groups, Loss(), "reinforce_pp")
+    assert [s.advantage for s in by_default.samples] == pytest.approx(expect) and not by_default.filtered
+    assert build_samples(groups, Loss(), "rloo").filtered == build_samples(groups, Loss(), "grpo").filtered == \
+        {"b": "uniform"}
+    assert not build_samples(groups, Loss(filter_uniform_groups=False), "grpo").filtered  # an explicit setting holds
 
 
 def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():

@@ -59,6 +59,13 @@ def is_uniform(rewards: list[float]) -> bool:
     return len(rewards) == 0 or max(rewards) == min(rewards)
 
 
+def filters_uniform_groups(setting: bool | None, advantage: str) -> bool:
+    """Whether groups of equal rewards are left out of a step (algorithm.loss.filter_uniform_groups).
+    None, the default, decides by the advantage: yes for grpo and rloo (such a group's advantages
+    are all 0: training it moves nothing), no for reinforce_pp (its batch statistics count it)."""
+    return advantage != "reinforce_pp" if setting is None else setting
+
+
 def gae(values: torch.Tensor, rewards: torch.Tensor, last: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE for trajectories laid end to end: `values` [T] of their trained tokens in order,

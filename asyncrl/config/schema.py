@@ -337,7 +337,9 @@ class LossConfig:
     entropy_coef: float = 0.0
     aggregation: str = "token"  # token | sequence
     normalize_adv_std: bool = True
-    filter_uniform_groups: bool = True  # drop groups whose rewards are all equal
+    # drop groups whose rewards are all equal; null: by the advantage (grpo, rloo: yes; reinforce_pp: no,
+    # its batch statistics count them): asyncrl/algorithm/advantages.py filters_uniform_groups
+    filter_uniform_groups: bool | None = None
     # DAPO's overlong filtering: a response cut at max_new_tokens still counts in its group's
     # advantages but is not trained on (its reward says nothing about its tokens).
     mask_truncated: bool = False

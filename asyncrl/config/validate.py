@@ -336,6 +336,12 @@ def _check_algorithm(c: Config, problems: list[str], need, at_least, one_of, wit
     if loss.type == "gspo":  # its objective is a sequence's: a token mean would weight it by length
         need(loss.aggregation == "sequence", "algorithm.loss.aggregation", loss.aggregation,
              "gspo's ratio and objective are per sequence: needs algorithm.loss.aggregation=sequence")
+        # one rule for every per-token advantage term under its one ratio per sequence
+        per_token = [name for name, on in (("algorithm.advantage=gae", a.advantage == "gae"),
+                                           ("algorithm.distill.teacher_path", bool(c.algorithm.distill.teacher_path)))
+                     if on]
+        need(not per_token, "algorithm.loss.type", loss.type,
+             f"gspo takes one advantage per sequence; {' and '.join(per_token)} give(s) one per token")
     need(0 <= loss.seq_clip_eps_low < 1, "algorithm.loss.seq_clip_eps_low", loss.seq_clip_eps_low, "must be in [0, 1)")
     at_least("algorithm.loss.seq_clip_eps_high", loss.seq_clip_eps_high, 0)
     need(0 < loss.icepop_low <= 1 <= loss.icepop_high, "algorithm.loss.icepop_low", loss.icepop_low,
@@ -346,8 +352,6 @@ def _check_critic(c: Config, problems: list[str], need, at_least) -> None:
     cr = c.algorithm.critic
     if cr.path:
         _check_checkpoint_dir("algorithm.critic.path", cr.path, problems)
-    need(c.algorithm.loss.type != "gspo", "algorithm.loss.type", c.algorithm.loss.type,
-         "gspo takes one advantage per sequence; algorithm.advantage=gae gives one per token")
     need(c.trainer.pipeline_parallel_size == 1, "trainer.pipeline_parallel_size", c.trainer.pipeline_parallel_size,
          "must be 1 with algorithm.advantage=gae (the critic is not built for pipeline stages yet)")
     at_least("algorithm.critic.lr", cr.lr, 0, "0 = trainer.lr")

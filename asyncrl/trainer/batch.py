@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.algorithm.advantages import EPS, group_advantages, is_uniform, rloo_advantages
+from asyncrl.algorithm.advantages import EPS, filters_uniform_groups, group_advantages, is_uniform, rloo_advantages
 from asyncrl.algorithm.losses import aggregation_weights
 from asyncrl.config.schema import LossConfig
 from asyncrl.types import TrajectoryGroup, TrajectoryStatus
@@ -61,14 +61,15 @@ class StepBatch:
     filtered: dict[str, str] = field(default_factory=dict)  # prompt id -> group_filter_reason
 
 
-def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, per_token: bool = False) -> str | None:
+def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, per_token: bool = False,
+                        advantage: str = "grpo") -> str | None:
     """Why a group gives no training signal ("no_usable", "uniform"), or None when it does. With a
     signal per token (`per_token`: gae's values, a distillation teacher) every usable sample has
     one: groups of equal rewards too."""
     rewards = [t.reward for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
     if len(rewards) < (1 if per_token else 2):
         return "no_usable"
-    if loss.filter_uniform_groups and not per_token and is_uniform(rewards):
+    if filters_uniform_groups(loss.filter_uniform_groups, advantage) and not per_token and is_uniform(rewards):
         return "uniform"
     return None
 
@@ -84,7 +85,8 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
     distill = _Distill(distill_coef, stats) if distill_coef else None
     rewards_all: list[float] = []
     per_token = advantage == "gae" or bool(distill_coef)
-    filtered = {g.prompt_id: reason for g in groups if (reason := group_filter_reason(g, loss, per_token)) is not None}
+    filtered = {g.prompt_id: reason for g in groups
+                if (reason := group_filter_reason(g, loss, per_token, advantage)) is not None}
     trained = [g for g in groups if g.prompt_id not in filtered]
     # REINFORCE++ normalises over every sample the step trains on
     batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
