@@ -30,7 +30,9 @@ def test_the_watch_sees_a_square_tensor():
 def test_a_packed_row_trains_without_a_square_tensor_and_recompute_gives_the_same_step():
     """8 x 256 tokens in one micro-batch (L = 2,048): no op of the step (forward, loss, backward,
     optimizer) makes a tensor with two dimensions >= L; megatron's selective and full recomputation
-    give the step without it, to the last bit of the loss, gradient norm and weights."""
+    give the step without it, to the last bit of the loss, gradient norm and weights, and do
+    recompute: selective runs the MLPs' activation again in the backward, full each layer's
+    forward (its attention included)."""
     done = subprocess.run([sys.executable, "-m", "tests.trainer_scale_probe", "--recompute", "none", "selective",
                            "full", "--seq-len", "256", "--n", "8"], capture_output=True, text=True, timeout=300,
                           cwd=REPO)
@@ -42,6 +44,14 @@ def test_a_packed_row_trains_without_a_square_tensor_and_recompute_gives_the_sam
     for mode in ("selective", "full"):
         assert steps[mode]["loss"] == plain["loss"] and steps[mode]["grad_norm"] == plain["grad_norm"]
         assert steps[mode]["weights"] == pytest.approx(plain["weights"], rel=1e-12)
+
+    def runs(mode: str, op: str) -> int:  # how many times forward ops whose name holds `op` ran in the step
+        return sum(n for name, n in steps[mode]["calls"].items() if op in name and "backward" not in name)
+
+    layers = runs("none", "silu")  # one activation per layer's MLP (the tiny model's 2)
+    assert layers > 0 and runs("selective", "silu") == 2 * layers and runs("full", "silu") == 2 * layers
+    assert runs("selective", "scaled_dot_product") == runs("none", "scaled_dot_product") > 0
+    assert runs("full", "scaled_dot_product") == 2 * runs("none", "scaled_dot_product")
 
 
 def test_bench_trainer_trains_8_x_2048_tokens_in_one_micro_batch_within_its_memory_bound():

@@ -1,7 +1,8 @@
 """One train step of a random tiny Qwen3 (asyncrl/bench/trainer.py) per recompute setting, in
 this process, for tests/test_trainer_scale.py: prints one JSON line, a list with each step's loss
 and gradient norm, a digest of the weights after it, and the largest tensor made during the step
-that has two dimensions at least as long as the packed row (an [L, L] attention mask or scores).
+that has two dimensions at least as long as the packed row (an [L, L] attention mask or scores), and
+how many times each op ran.
 
     python -m tests.trainer_scale_probe --recompute none selective full --seq-len 256 --n 8
 """
@@ -19,13 +20,17 @@ from torch.utils._pytree import tree_leaves
 
 
 class SquareWatch(TorchDispatchMode):
-    """Records the largest tensor any op returns whose two longest dimensions are both >= `length`."""
+    """Records the largest tensor any op returns whose two longest dimensions are both >= `length`,
+    and how many times each op ran (recomputation runs forward ops again during the backward)."""
 
     def __init__(self, length: int):
         super().__init__()
         self.length, self.largest, self.op = length, 0, None
+        self.calls: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.calls[name] = self.calls.get(name, 0) + 1
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dim() >= 2:
@@ -60,7 +65,7 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
     rank.shutdown()
     mpu.destroy_model_parallel()  # the next step builds its model from scratch in this process
     return {"recompute": recompute, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-            "row": row, "square_numel": watch.largest, "square_op": watch.op, "weights": digest}
+            "row": row, "square_numel": watch.largest, "square_op": watch.op, "weights": digest, "calls": watch.calls}
 
 
 def main() -> None:
