@@ -302,3 +302,17 @@ def test_the_elastic_bench_fits_its_default_schedule_to_the_run_and_refuses_one_
         engine_schedule(cfg, BenchConfig(engine_schedule=[[3, 16], [7, 4]]))
     (line,) = refused.value.problems
     assert line.startswith("bench.engine_schedule=[[3, 16], [7, 4]]: 16 engines") and "at most 2 engine(s) fit" in line
+
+
+def test_the_trainer_benchs_flop_formula_by_hand():
+    """Qwen3-0.6B's shape: its matmul parameters are the model card's 0.44B non-embedding ones
+    (norms aside) plus the output layer; causal attention adds PaLM's 12 L H Q T halved (a token
+    attends to half the row on average)."""
+    from asyncrl.bench.trainer import SHAPES, flops_per_token
+
+    shape = SHAPES["qwen3_0.6b"]
+    attention = 1024 * 128 * (16 * 2 + 8 * 2)  # q and o: 16 heads of 128; k and v: 8
+    non_embedding = 28 * (attention + 3 * 1024 * 3072)  # and the MLP's gate, up and down
+    assert non_embedding == 440_401_920  # "Number of Parameters (Non-Embedding): 0.44B"
+    matmul = non_embedding + 1024 * 151_936  # the output layer: tied to the embedding, a matmul all the same
+    assert flops_per_token(shape, 4096) == 6 * matmul + 6 * 28 * 16 * 128 * 4096 == 4_985_192_448
