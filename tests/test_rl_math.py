@@ -220,6 +220,30 @@ def test_gae_by_hand_over_two_trajectories_end_to_end():
     assert ret.tolist() == pytest.approx([1, 1, 1, 0, 0])
 
 
+def test_the_critics_targets_on_a_packed_micro_batch_by_hand():
+    """The critic's step (trainer/critic.py `prepare`): GAE over a packed row's trained tokens, each
+    sequence's reward at its last trained token, a multi-turn sample's tool tokens skipped, then
+    the advantages whitened over the step's tokens from sums (as over ranks and micro-batches)."""
+    from asyncrl.algorithm.advantages import mean_std, packed_gae
+
+    # sequence 0: prompt, prompt, then trained tokens with V = 0.5, 0.2, 0.4 (reward 1); sequence 1: a
+    # prompt token, V = 0.1, a tool token (mask 0: not a step), V = 0.3 (reward 0). The trained tokens
+    # are the previous test's two trajectories: the same advantages and returns at their positions.
+    values = t(9.0, 9.0, 0.5, 0.2, 0.4, 9.0, 0.1, 9.0, 0.3)
+    mask = t(0, 0, 1, 1, 1, 0, 1, 0, 1)
+    seq_index = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1])
+    adv, ret = packed_gae(values, mask, seq_index, t(1.0, 0.0), gamma=0.9, lam=0.5)
+    assert adv.tolist() == pytest.approx([0, 0, -0.1265, 0.43, 0.6, 0, 0.035, 0, -0.3])
+    assert ret.tolist() == pytest.approx([0, 0, 0.3735, 0.63, 1.0, 0, 0.135, 0, 0.0])
+    # whitening: A = -0.1265, 0.43, 0.6, 0.035, -0.3 from two micro-batches' sums: mean 0.1277,
+    # sample std sqrt((0.01600225 + 0.1849 + 0.36 + 0.001225 + 0.09 - 5 * 0.1277^2) / 4) = sqrt(0.14264770)
+    a = [-0.1265, 0.43, 0.6, 0.035, -0.3]
+    first, second = a[:2], a[2:]
+    mean, std = mean_std(5, sum(first) + sum(second), sum(x * x for x in first) + sum(x * x for x in second))
+    assert mean == pytest.approx(0.1277) and std == pytest.approx(0.377687, rel=1e-5)
+    assert mean_std(0, 0.0, 0.0) == (0.0, 0.0) and mean_std(1, 2.0, 4.0) == (2.0, 0.0)
+
+
 def test_reverse_linear_scan_equals_the_recursion():
     gen = torch.Generator().manual_seed(0)
     for n in (1, 2, 5, 64, 1000):

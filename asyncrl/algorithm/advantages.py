@@ -78,6 +78,30 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, last: torch.Tensor, gamma: 
     return advantages, advantages + values
 
 
+def packed_gae(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, seq_rewards: torch.Tensor,
+               gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over a packed micro-batch: per-token `values`, `mask` (trained tokens > 0) and `seq_index`
+    [T], each sequence's reward `seq_rewards` [S]. A sequence's trained tokens are its steps, one
+    after another (a multi-turn sample's tool tokens are not steps); its reward comes at its last
+    trained token. Returns (advantages, returns) [T] in `values`' dtype, 0 at untrained tokens."""
+    trained = mask > 0
+    v, seq = values[trained].double(), seq_index[trained]
+    last = torch.ones_like(seq, dtype=torch.bool)
+    last[:-1] = seq[1:] != seq[:-1]
+    adv, ret = gae(v, torch.where(last, seq_rewards.double()[seq], 0.0), last, gamma, lam)
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    advantages[trained], returns[trained] = adv.to(values.dtype), ret.to(values.dtype)
+    return advantages, returns
+
+
+def mean_std(n: float, total: float, squares: float) -> tuple[float, float]:
+    """The mean and sample std of `n` numbers from their sum and sum of squares (sums that can be
+    added over micro-batches and data-parallel ranks); (0, 0) for none."""
+    n = max(n, 1.0)
+    mean = total / n
+    return mean, max((squares - n * mean ** 2) / max(n - 1, 1.0), 0.0) ** 0.5
+
+
 def reverse_linear_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """x with x_t = b_t + a_t * x_{t+1} (x past the end = 0), for 1-D `b`, `a`: each element
     holds the map x_{t+1} -> x_t as (a, b); composing maps of spans 1, 2, 4, ... (Hillis-Steele)

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.algorithm.advantages import EPS, filters_uniform_groups, group_advantages, is_uniform, rloo_advantages
+from asyncrl.algorithm.advantages import (
+    batch_normalized,
+    filters_uniform_groups,
+    group_advantages,
+    is_uniform,
+    rloo_advantages,
+)
 from asyncrl.algorithm.losses import aggregation_weights
 from asyncrl.config.schema import LossConfig
 from asyncrl.types import TrajectoryGroup, TrajectoryStatus
@@ -90,7 +96,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
     trained = [g for g in groups if g.prompt_id not in filtered]
     # REINFORCE++ normalises over every sample the step trains on
     batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
-    batch_mean, batch_std = _mean_std(batch)
+    batch_advantages = iter(batch_normalized(batch)) if advantage == "reinforce_pp" else None  # in that order
     for group in groups:
         usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
         stats["trajectories"] += len(group.trajectories)
@@ -105,7 +111,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
         if advantage == "rloo":
             advantages = rloo_advantages(rewards)
         elif advantage == "reinforce_pp":
-            advantages = [(r - batch_mean) / (batch_std + EPS) for r in rewards]
+            advantages = [next(batch_advantages) for _ in rewards]
         elif advantage == "gae":
             advantages = [0.0] * len(rewards)  # per token, by the trainer (the critic's values)
         else:
@@ -155,15 +161,6 @@ class _Distill:
 
     def finish(self) -> None:
         self.stats["distill_reverse_kl"] = self.kl_sum / max(self.tokens, 1)
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1), as group_advantages computes them."""
-    if not values:
-        return 0.0, 0.0
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return mean, var ** 0.5
 
 
 def assign_weights(samples: list[TrainSample], aggregation: str) -> None:

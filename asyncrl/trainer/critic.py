@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.algorithm.advantages import EPS, gae
+from asyncrl.algorithm.advantages import EPS, mean_std, packed_gae
 from asyncrl.algorithm.losses import LossOutput, value_loss
 from asyncrl.trainer.batch import PackedBatch
 from asyncrl.trainer.megatron_model import adam, forward_packed, grads_finite, run_schedule, wrap_ddp
@@ -117,24 +117,15 @@ class Critic:
         self.model[0].eval()
         batches = [b for update in updates for b in update]
         for b in batches:
-            values = run_schedule(self.model, [b], self._forward_step, forward_only=True)[0]
-            trained = b.mask > 0
-            v, seq = values[trained].double(), b.seq_index[trained]
-            last = torch.ones_like(seq, dtype=torch.bool)
-            last[:-1] = seq[1:] != seq[:-1]
-            rewards = torch.where(last, b.rewards.double()[seq], 0.0)
-            adv, ret = gae(v, rewards, last, self.cfg.gamma, self.cfg.lam)
-            b.values, b.returns = values, torch.zeros_like(values)
-            b.advantages = torch.zeros_like(values)
-            b.returns[trained], b.advantages[trained] = ret.float(), adv.float()
+            b.values = run_schedule(self.model, [b], self._forward_step, forward_only=True)[0]
+            b.advantages, b.returns = packed_gae(b.values, b.mask, b.seq_index, b.rewards, self.cfg.gamma, self.cfg.lam)
         # whitening and the statistics over the trained tokens of every data-parallel rank
         a, v, g = (_trained(batches, name) for name in ("advantages", "values", "returns"))
         sums = self._dp_sum([a.numel(), a.sum(), (a * a).sum(), v.sum(), g.sum(), (g * g).sum(), (g - v).sum(),
                              ((g - v) ** 2).sum()])
         n, a_sum, a_sq, v_sum, g_sum, g_sq, e_sum, e_sq = sums
+        a_mean, a_std = mean_std(n, a_sum, a_sq)
         n = max(n, 1.0)
-        a_mean = a_sum / n
-        a_std = max((a_sq - n * a_mean ** 2) / max(n - 1, 1.0), 0.0) ** 0.5
         if self.whiten:
             for b in batches:
                 trained = b.mask > 0
