@@ -802,13 +802,15 @@ def test_a_seeded_fuzz_of_1000_requests_gets_no_5xx_and_health_answers_throughou
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[tuple[str, str]]:
-    """A gateway over an engine that answers one token, served as in training; (its URL, its key)."""
+    """A gateway over an engine that answers one token (and then the stop tokens it was asked to stop
+    at, so that a test sees them arrive), served as in training; (its URL, its key)."""
     from asyncrl.inference.protocol import InferenceInterface
     from asyncrl.rollout.gateway import InferenceGateway
 
     class OneToken(InferenceInterface):
         async def agenerate(self, prompt_token_ids, sampling, request_id):
-            return GenerationResult([7], [-0.5], [3], "length")
+            n = 1 + len(sampling.stop_token_ids)
+            return GenerationResult([7, *sampling.stop_token_ids], [-0.5] * n, [3] * n, "length")
 
     ready, stop = threading.Event(), None
     box: dict = {}
@@ -861,6 +863,13 @@ def test_the_gateway_bounds_bodies_and_takes_only_strict_json(gateway):
     assert r.status_code == 422
     r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=auth, timeout=10)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7]
+    # vLLM's stop_token_ids reach the engine; at most 64 of them, none negative
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "stop_token_ids": [258]}, headers=auth, timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7, 258]
+    for bad in ([-1], list(range(65))):
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "stop_token_ids": bad}, headers=auth,
+                       timeout=10)
+        assert r.status_code == 422, bad
 
 
 def test_the_gateway_serves_under_the_env_servers_connection_budget(gateway):

@@ -11,7 +11,8 @@ client process of their own, as agent programs are (`python -m asyncrl.bench.cha
 them from its first request to its last answer):
   (a) token endpoint: `POST /v1/completions` with token ids over httpx; the client keeps the
       conversation as tokens itself (the template's rendering of each new message appended to
-      what was sampled), the best a token-level agent can do;
+      what was sampled), with the chat endpoint's stops (the end-of-turn token; a tool call's
+      end when tools are offered), the best a token-level agent can do;
   (b) chat endpoint: the real `openai` client (`AsyncOpenAI`, one HTTP client shared), one
       session per conversation, resending the whole conversation as messages each turn, as chat
       agents do;
@@ -49,11 +50,16 @@ SIDES = ("token", "chat", "chat_http")  # (a), (b), (c) of the module docstring
 
 async def _token_conversation(http: httpx.AsyncClient, job: dict[str, Any], chat: Any, conversation: dict) -> int:
     """(a): one conversation over /v1/completions, kept as tokens by the client; tokens generated."""
+    from agent_loops.tool_parsers import get_tool_parser
+
     ids, tokens = chat.prompt(conversation["messages"], conversation["tools"]), 0
+    # the chat endpoint's stops: the end of turn, and a tool call's end when tools are offered
+    stop = [*chat.end_of_turn.stop, *(get_tool_parser(job["tool_parser"]).stop if conversation["tools"] else ())]
     for turn in range(job["turns"]):
         if turn:
             ids += chat.append_ids([USER_TURN], ids[-len(chat.end_of_turn.closing):])
-        body = {"prompt": ids, "max_tokens": job["max_tokens"], "temperature": job["temperature"]}
+        body = {"prompt": ids, "max_tokens": job["max_tokens"], "temperature": job["temperature"], "stop": stop,
+                "stop_token_ids": list(chat.end_of_turn.stop_token_ids)}
         r = await http.post(job["token_url"], json=body, headers={"Authorization": f"Bearer {job['token_key']}"})
         r.raise_for_status()
         sampled = r.json()["choices"][0]["token_ids"]
@@ -136,6 +142,7 @@ async def measure(gateway: Any, problems: list[Any], sampling: SamplingSpec, tur
     endpoint, sessions = await gateway.serve(), gateway.sessions
     base = {"turns": turns, "max_tokens": max_tokens, "temperature": sampling.temperature,
             "tokenizer_path": tokenizer_path, "chat_template": chat_template,
+            "tool_parser": sessions.settings.tool_parser,
             "token_url": f"{endpoint.base_url}/completions", "token_key": endpoint.api_key}
 
     async def side(name: str) -> tuple[int, float, float]:

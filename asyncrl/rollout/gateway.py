@@ -32,7 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from asyncrl.agents.http_guard import ServerLimits, guarded, uvicorn_config
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
@@ -58,6 +58,8 @@ class CompletionBody(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] | str | None = None
+    # vLLM's extension: tokens that end the generation (kept in it)
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, max_length=64)
     ignore_eos: bool = False
 
 
@@ -135,7 +137,7 @@ class InferenceGateway(InferenceInterface):
             ids = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt)
             stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
             spec = SamplingSpec(max_new_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                stop=stop, ignore_eos=body.ignore_eos)
+                                stop=stop, stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
             rid = request.headers.get("x-request-id") or secrets.token_hex(8)
             out = await self.agenerate(ids, spec, f"gw-{rid}")
             return {"object": "text_completion", "model": self.model_name, "choices": [{
