@@ -245,13 +245,33 @@ def add_routes(groups: list, layers: int, experts: int, top_k: int) -> None:
 TRAINED_AT: dict[tuple[str, str], Probed] = {}  # every case probed so far, for the layouts against TP 1
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-{layout}" for arch, layout in CASES])
-def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
-    """One trainer per (family, layout): its logits, its export before and after one train step."""
-    from asyncrl.actors import create_trainer
+@pytest.fixture(scope="module")
+def rank_processes(ray_cluster) -> list:
+    """Two trainer-rank actors that serve every case's trainer in turn (ReusedTrainerRank): 2 imports
+    of megatron-core for the module instead of one per rank of each of its 20 trainers."""
+    import ray
+
     from asyncrl.run_config import load_config
+    from asyncrl.trainer.settings import TrainerSettings
+    from tests.trainer_probes import ReusedTrainerRank
+
+    cfg = load_config([])
+    ranks = [ray.remote(ReusedTrainerRank).options(num_cpus=cfg.trainer.num_cpus_per_rank)
+             .remote(TrainerSettings.of(cfg), r, 2) for r in range(2)]
+    yield ranks
+    for r in ranks:
+        ray.kill(r)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-{layout}" for arch, layout in CASES])
+def probed(request, rank_processes, tiny_models, tmp_path_factory) -> Probed:
+    """One trainer per (family, layout): its logits, its export before and after one train step."""
+    import ray
+
+    from asyncrl.run_config import load_config
+    from asyncrl.trainer.settings import TrainerSettings
+    from asyncrl.trainer.trainer_group import TrainerGroup
     from tests.trainer_data import make_groups
-    from tests.trainer_probes import ProbedTrainerRank
 
     arch, layout = request.param
     tp, pp, dp, ep = LAYOUTS[layout]
@@ -265,7 +285,9 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         add_routes(groups, layers=2, experts=8, top_k=2)
         overrides.append("algorithm.routing_replay=r3")
     cfg = load_config(overrides)
-    group = create_trainer(cfg, rank_class=ProbedTrainerRank)
+    ranks = rank_processes[:tp * pp * dp]
+    ray.get([r.reinit.remote(TrainerSettings.of(cfg), i, len(ranks)) for i, r in enumerate(ranks)])
+    group = TrainerGroup(ranks)
     try:
         t0 = time.monotonic()
         group.setup()
@@ -277,7 +299,7 @@ def probed(request, ray_cluster, tiny_models, tmp_path_factory) -> Probed:
         metrics = group.train_step(groups, 0).metrics
         trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
     finally:
-        group.shutdown()
+        ray.get([r.shutdown.remote() for r in ranks])  # the processes stay for the next case
     done = Probed(arch, layout, path, setup_s, logits, alone, exported, metrics, trained, replayed)
     TRAINED_AT[(arch, layout)] = done
     return done

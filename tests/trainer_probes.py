@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import torch
 
 from asyncrl.config.schema import LossConfig
 from asyncrl.trainer.batch import build_samples
+from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.trainer.trainer_rank import TrainerRank
 
 
@@ -94,3 +96,23 @@ class ProbedTrainerRank(TrainerRank):
             for h in hooks:
                 h.remove()
         return out
+
+
+class ReusedTrainerRank(ProbedTrainerRank):
+    """A ProbedTrainerRank whose process serves one trainer after another (`reinit`): tests that
+    build many small trainers in turn import megatron-core once per process (~11 CPU-s here), not
+    once per trainer."""
+
+    def reinit(self, settings: TrainerSettings, rank: int, world_size: int) -> None:
+        """Forget the previous trainer (its process group, megatron's parallel state) and become
+        rank `rank` of a new one (not set up yet: `setup`, as a fresh rank)."""
+        from megatron.core import parallel_state as mpu
+
+        self.shutdown()
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        # megatron's models set these for their attention backend and refuse to be built where they are
+        # set otherwise (LanguageModule._set_attention_backend): a fresh process has none
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(name, None)
+        TrainerRank.__init__(self, settings, rank, world_size)
