@@ -19,8 +19,10 @@ from __future__ import annotations
 import importlib.util
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -246,31 +248,20 @@ TRAINED_AT: dict[tuple[str, str], Probed] = {}  # every case probed so far, for 
 
 
 @pytest.fixture(scope="module")
-def rank_processes(ray_cluster) -> list:
-    """Two trainer-rank actors that serve every case's trainer in turn (ReusedTrainerRank): 2 imports
-    of megatron-core for the module instead of one per rank of each of its 20 trainers."""
-    import ray
+def rank_processes(ray_cluster) -> Iterator[Any]:
+    """Two trainer-rank processes that serve every case's trainer in turn (trainer_probes.ReusedRanks):
+    2 imports of megatron-core for the module instead of one per rank of each of its 20 trainers."""
+    from tests.trainer_probes import ReusedRanks
 
-    from asyncrl.run_config import load_config
-    from asyncrl.trainer.settings import TrainerSettings
-    from tests.trainer_probes import ReusedTrainerRank
-
-    cfg = load_config([])
-    ranks = [ray.remote(ReusedTrainerRank).options(num_cpus=cfg.trainer.num_cpus_per_rank)
-             .remote(TrainerSettings.of(cfg), r, 2) for r in range(2)]
+    ranks = ReusedRanks(2)
     yield ranks
-    for r in ranks:
-        ray.kill(r)
+    ranks.kill()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{arch}-{layout}" for arch, layout in CASES])
 def probed(request, rank_processes, tiny_models, tmp_path_factory) -> Probed:
     """One trainer per (family, layout): its logits, its export before and after one train step."""
-    import ray
-
     from asyncrl.run_config import load_config
-    from asyncrl.trainer.settings import TrainerSettings
-    from asyncrl.trainer.trainer_group import TrainerGroup
     from tests.trainer_data import make_groups
 
     arch, layout = request.param
@@ -285,10 +276,7 @@ def probed(request, rank_processes, tiny_models, tmp_path_factory) -> Probed:
         add_routes(groups, layers=2, experts=8, top_k=2)
         overrides.append("algorithm.routing_replay=r3")
     cfg = load_config(overrides)
-    ranks = rank_processes[:tp * pp * dp]
-    ray.get([r.reinit.remote(TrainerSettings.of(cfg), i, len(ranks)) for i, r in enumerate(ranks)])
-    group = TrainerGroup(ranks)
-    try:
+    with rank_processes.trainer(cfg, setup=False) as group:
         t0 = time.monotonic()
         group.setup()
         setup_s = time.monotonic() - t0
@@ -298,8 +286,6 @@ def probed(request, rank_processes, tiny_models, tmp_path_factory) -> Probed:
         replayed = group.on_ranks(lambda r: r.routes_used.remote(groups)) if arch in MOE_FAMILIES else None
         metrics = group.train_step(groups, 0).metrics
         trained = load_file(f"{group.export_hf(str(out / 'after'))}/model.safetensors")
-    finally:
-        ray.get([r.shutdown.remote() for r in ranks])  # the processes stay for the next case
     done = Probed(arch, layout, path, setup_s, logits, alone, exported, metrics, trained, replayed)
     TRAINED_AT[(arch, layout)] = done
     return done

@@ -4,6 +4,7 @@ tensor parallelism, and distributed checkpoints across tensor-parallel sizes."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 
 import pytest
 import ray
@@ -11,12 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.actors import create_trainer
 from asyncrl.config.schema import LossConfig
 from asyncrl.run_config import load_config
 from tests.conftest import BASE_MODEL
 from tests.trainer_data import make_groups
-from tests.trainer_probes import ProbedTrainerRank
+from tests.trainer_probes import ReusedRanks
 
 pytestmark = pytest.mark.slow
 
@@ -26,20 +26,25 @@ def tokenizer(base_model):
     return AutoTokenizer.from_pretrained(base_model)
 
 
-def run_trainer(overrides, fn):
-    group = create_trainer(load_config(overrides), rank_class=ProbedTrainerRank)
-    try:
-        group.setup()
-        return fn(group)
-    finally:
-        group.shutdown()
+@pytest.fixture(scope="module")
+def run_trainer(ray_cluster) -> Iterator[Callable]:
+    """`run_trainer(overrides, fn)`: `fn` of a set-up trainer of `overrides`; two rank processes serve
+    the module's trainers in turn (trainer_probes.ReusedRanks: megatron-core imported once each)."""
+    ranks = ReusedRanks(2)
+
+    def run(overrides, fn):
+        with ranks.trainer(load_config(overrides)) as group:
+            return fn(group)
+
+    yield run
+    ranks.kill()
 
 
 def exported_state(group, path) -> dict[str, torch.Tensor]:
     return load_file(f"{group.export_hf(str(path))}/model.safetensors")
 
 
-def test_export_without_training_is_the_hf_checkpoint_and_logits_match(ray_cluster, base_model, tmp_path):
+def test_export_without_training_is_the_hf_checkpoint_and_logits_match(run_trainer, base_model, tmp_path):
     """HF -> Megatron -> HF is exact, and Megatron's logits equal HF's (fp32, tolerance 1e-4)."""
     hf_model = AutoModelForCausalLM.from_pretrained(base_model).eval()
     ids = [[5, 17, 42, 99, 7, 3, 250, 11], [100, 200, 300, 400, 5, 6, 7, 8]]
@@ -74,7 +79,7 @@ def check_world_store(group) -> None:
     assert names and all(re.fullmatch(re.escape(NAME_PREFIX) + "[0-9a-f]{32}", n) for n in names), names
 
 
-def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_cluster, tokenizer, tmp_path):
+def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(run_trainer, tokenizer, tmp_path):
     """Same data, TP=1 vs TP=2 (two gloo processes, their world's store sealed on loopback), PPO with a
     critic (gae): same losses, grad norms, weights and critic metrics; a TP=2 distributed checkpoint then
     loads into a TP=1 trainer unchanged, its critic and both optimizers too (the next step is TP=2's next step)."""
@@ -128,7 +133,7 @@ def test_tensor_parallel_2_trains_like_1_and_checkpoints_load_across_sizes(ray_c
         assert next_loaded[name] == pytest.approx(next2[name], rel=1e-4, abs=1e-6), name
 
 
-def test_decoupled_ppo_with_several_updates_clips_against_the_policy_before_the_step(ray_cluster, tokenizer):
+def test_decoupled_ppo_with_several_updates_clips_against_the_policy_before_the_step(run_trainer, tokenizer):
     """With two updates per step, the second one's ratio pi_theta / pi_prox moves away from 1
     (pi_prox is the policy before the step), so clipping can act; with one update it is exactly 1."""
     groups = make_groups(tokenizer, seed=3)
@@ -163,7 +168,7 @@ def reference_gspo_loss_hf(model, samples, lo: float, hi: float) -> torch.Tensor
     return total / len(samples)
 
 
-def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_model, tokenizer):
+def test_loss_gradient_equals_a_per_token_reference_on_hf(run_trainer, base_model, tokenizer):
     """The whole path (packing, masks, logprob indexing, loss, megatron's backward) gives the
     gradient that the formula gives on the HF model, token by token: with micro-batches of 5
     samples; of at most 100 tokens (a token budget: 4 x 3 samples of 30-31 tokens, the same gradient); and with
@@ -205,7 +210,7 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(ray_cluster, base_mode
     assert torch.allclose(gspo_grad[0], ref, atol=1e-5, rtol=1e-4), (gspo_grad[0] - ref).abs().max()
 
 
-def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the_adapters(ray_cluster, tokenizer,
+def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the_adapters(run_trainer, tokenizer,
                                                                                         tmp_path):
     """LoRA adapters split like their layers (docs/lora.md): TP=2 gives TP=1's losses, gradient
     norms and exported adapters; a TP=2 checkpoint restores adapters and Adam state, so the step
@@ -245,7 +250,7 @@ def test_lora_at_tensor_parallel_2_trains_like_1_and_its_checkpoint_restores_the
     assert any(not torch.equal(w1[k], base[k]) for k in base)
 
 
-def test_a_non_finite_gradient_skips_the_update_and_the_next_step_trains(ray_cluster, tokenizer, tmp_path):
+def test_a_non_finite_gradient_skips_the_update_and_the_next_step_trains(run_trainer, tokenizer, tmp_path):
     """The trainer's last guard (docs/security.md): a NaN that reaches the loss (here a behaviour
     logprob) never reaches the weights: the update is skipped and counted; the next step trains."""
     poisoned = make_groups(tokenizer, seed=3)

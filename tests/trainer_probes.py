@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from types import SimpleNamespace
@@ -116,3 +117,41 @@ class ReusedTrainerRank(ProbedTrainerRank):
         for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
             os.environ.pop(name, None)
         TrainerRank.__init__(self, settings, rank, world_size)
+
+
+class ReusedRanks:
+    """`count` ReusedTrainerRank actors in the session's Ray cluster that serve a module's trainers in
+    turn: `with ranks.trainer(cfg) as group:` is a TrainerGroup of the first world-size of them, set
+    up for `cfg` if `setup`, its process group released after (the processes stay)."""
+
+    def __init__(self, count: int = 2):
+        import ray
+
+        from asyncrl.run_config import load_config
+
+        cfg = load_config([])
+        self.ranks = [ray.remote(ReusedTrainerRank).options(num_cpus=cfg.trainer.num_cpus_per_rank)
+                      .remote(TrainerSettings.of(cfg), r, count) for r in range(count)]
+
+    @contextlib.contextmanager
+    def trainer(self, cfg, setup: bool = True):
+        import ray
+
+        from asyncrl.actors import trainer_world_size
+        from asyncrl.trainer.trainer_group import TrainerGroup
+
+        ranks = self.ranks[:trainer_world_size(cfg)]
+        ray.get([r.reinit.remote(TrainerSettings.of(cfg), i, len(ranks)) for i, r in enumerate(ranks)])
+        group = TrainerGroup(ranks)
+        try:
+            if setup:
+                group.setup()
+            yield group
+        finally:
+            ray.get([r.shutdown.remote() for r in ranks])
+
+    def kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
