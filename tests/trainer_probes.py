@@ -140,7 +140,9 @@ class ReusedRanks:
         from asyncrl.actors import trainer_world_size
         from asyncrl.trainer.trainer_group import TrainerGroup
 
-        ranks = self.ranks[:trainer_world_size(cfg)]
+        world = trainer_world_size(cfg)
+        assert world <= len(self.ranks), f"a trainer of {world} ranks on {len(self.ranks)} rank processes"
+        ranks = self.ranks[:world]
         ray.get([r.reinit.remote(TrainerSettings.of(cfg), i, len(ranks)) for i, r in enumerate(ranks)])
         group = TrainerGroup(ranks)
         try:
