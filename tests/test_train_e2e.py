@@ -13,12 +13,10 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-# The model in vLLM's engine-core process: one process fewer to start (~10 s of importing vLLM).
-# The runs with a vLLM worker process of its own (the default) set it back to false.
 TINY_SETTINGS = ["trainer.total_steps=3", "algorithm.prompts_per_step=4", "algorithm.n_samples_per_prompt=4",
         "eval.num_problems=16", "eval.n_samples=2", "eval.pass_k=[1,2]", "eval.every_steps=2",
-        "logging.progress_bar=false", "logging.wandb.enabled=false", "cluster.dashboard=false",
-        "engine.cpu_model_in_engine_core=true"]
+        "logging.progress_bar=false", "logging.wandb.enabled=false", "cluster.dashboard=false"]
+# The model in a vLLM worker process of its own, not in the engine core (the default)
 WORKER_PROCESS = ["engine.cpu_model_in_engine_core=false"]
 TINY = ["recipe=arith", *TINY_SETTINGS]
 # Fully async with `keep` pauses: its end-to-end run is the faults bench's (tests/test_bench.py),

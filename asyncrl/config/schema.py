@@ -219,10 +219,11 @@ class EngineConfig:
     # a generation side and a training side, for fully async runs where both work at once.
     cpu_cores: str = ""
     # CPU, one worker (tensor_parallel_size=1): run the model inside vLLM's engine-core process
-    # (vLLM's single-process executor; vLLM-CPU does not support it officially) instead of a
-    # separate worker process that the engine core busy-polls through shared memory: 0.5 GiB
-    # and a process less per engine (chain_sum_cot turns it on: docs/benchmarks.md).
-    cpu_model_in_engine_core: bool = False
+    # (vLLM's single-process executor) instead of a separate worker process that the engine core
+    # busy-polls through shared memory: per engine 0.5 GiB, a busy-polling process and its
+    # import of vLLM (~29 CPU-s a start on a 2-vCPU EPYC) less, and faster weight syncs
+    # (docs/benchmarks.md). false: vLLM-CPU's officially supported layout (a worker process).
+    cpu_model_in_engine_core: bool = True
     # CPU: vLLM-CPU packs each linear weight for oneDNN, and must pack again after every
     # weight sync (most of a sync's time here). false keeps the plain weights and multiplies
     # with torch's linear: a sync is then a copy in place, generation the same speed on the
