@@ -15,6 +15,11 @@ in 2 groups chosen by sigmoid score plus a correction bias, and an ungated share
 hidden 128, 2 layers (deepseek_v3: 3, the first dense), MLP 256 (experts 64), fp32 safetensors
 (~1.5-4.4 MB), built in seconds.
 
+The config.json is shaped as the family's published checkpoints are (written by transformers 4):
+`rope_theta` at the top level with `rope_scaling` beside it (null for plain rope), `torch_dtype`,
+no `layer_types`; Mixtral's, Mistral's and DeepSeek-V3's without `head_dim` (HF derives it), Qwen2's
+with Qwen2.5's unused `sliding_window` (`use_sliding_window: false`).
+
 The weights are random, not trained, and deliberately not HF's init: every weight is drawn at
 a scale where attention is far from uniform (so rope errors show in the logits), and norm
 weights and biases are drawn too (HF starts them at 1 and 0, which would hide one that is
@@ -28,6 +33,7 @@ Same --arch and --seed: the same bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 from pathlib import Path
@@ -145,6 +151,27 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             b.copy_(0.2 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
+WITHOUT_HEAD_DIM = ("mistral", "mixtral")
+
+
+def published_style(arch: str, raw: dict) -> dict:
+    """The config.json transformers 5 writes, reshaped as the family's published ones (module docstring)."""
+    raw = dict(raw)
+    rope = dict(raw.pop("rope_parameters", None) or {})
+    raw["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    raw["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    raw["torch_dtype"] = raw.pop("dtype", "float32")
+    raw.pop("layer_types", None)
+    if arch in WITHOUT_HEAD_DIM:
+        assert raw["head_dim"] == raw["hidden_size"] // raw["num_attention_heads"], arch
+        del raw["head_dim"]
+    if arch == "deepseek_v3":  # its config has the latent attention's dims only; HF sets head_dim from them
+        assert raw.pop("head_dim") == raw["qk_rope_head_dim"]
+    if arch == "qwen2":  # Qwen2.5's: a window that its use_sliding_window flag leaves unused
+        raw.update(sliding_window=4096, use_sliding_window=False, max_window_layers=1)
+    return raw
+
+
 def build(arch: str, out: str | Path, seed: int = 0) -> Path:
     """Write the tiny `arch` checkpoint with its tokenizer into `out`; returns `out`."""
     out = Path(out)
@@ -156,6 +183,8 @@ def build(arch: str, out: str | Path, seed: int = 0) -> Path:
     randomise(model, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps(published_style(arch, json.loads(config_file.read_text())), indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / name, out / name)
     return out

@@ -17,6 +17,7 @@ The refusals of what the conversion does not support are checked without megatro
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -113,6 +114,10 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
         # grouped-query attention, but for DeepSeek's latent attention (every head reads one latent)
         assert hf.num_key_value_heads < hf.num_attention_heads or hf.model_type == "deepseek_v3"
     assert read_model_config(str(tiny_models["llama"])).rope_parameters["rope_type"] == "llama3"
+    # shaped as published (test_published_configs_...): the trainer's matrix loads Mixtral without head_dim
+    raw = {arch: json.loads((path / "config.json").read_text()) for arch, path in tiny_models.items()}
+    assert "head_dim" not in raw["mixtral"] and "head_dim" not in raw["mistral"] and raw["mixtral"]["rope_theta"] == 1e6
+    assert raw["llama"]["rope_scaling"]["rope_type"] == "llama3" and "rope_parameters" not in raw["llama"]
     assert read_model_config(str(tiny_models["mistral"])).sliding_window is None
     assert read_model_config(str(tiny_models["qwen2_moe"])).norm_topk_prob is False  # the full softmax's
     assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.q_a_layernorm.weight",
@@ -188,6 +193,70 @@ def test_features_the_conversion_does_not_cover_are_refused():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
     assert "not divisible" in model_config_problems(LlamaConfig(**{**ok, "vocab_size": 321}), tp_size=2)[0]
+
+
+# Published checkpoints' config.json at a tiny size: their keys as published (absent, null, the
+# names transformers 4 wrote), only the sizes shrunk.
+TINY_SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                  intermediate_size=128, vocab_size=320)
+PUBLISHED = {
+    "Mixtral-8x7B-v0.1": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_act="silu",
+                              num_experts_per_tok=2, num_local_experts=8, rope_theta=1e6, sliding_window=None,
+                              router_aux_loss_coef=0.02, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "Llama-2-7b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                       pretraining_tp=1, rope_scaling=None, tie_word_embeddings=False, torch_dtype="float16"),
+    "Llama-3.2-1B": dict(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=16, mlp_bias=False,
+                         attention_bias=False, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "Qwen2.5-0.5B": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_window_layers=21,
+                         rope_theta=1e6, sliding_window=32768, use_sliding_window=False, tie_word_embeddings=True),
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=16,
+                          decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, norm_topk_prob=True,
+                          num_experts=8, num_experts_per_tok=2, rope_scaling=None, rope_theta=1e6,
+                          sliding_window=None, use_sliding_window=False),
+    "Mistral-7B-v0.1": dict(architectures=["MistralForCausalLM"], model_type="mistral", rope_theta=10000.0,
+                            sliding_window=4096),
+    "DeepSeek-V3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", first_k_dense_replace=0,
+                        kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                        n_group=2, topk_group=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+                        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]},
+                        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                      "type": "yarn"}),
+}
+# the MixtralConfig transformers 5.19 saves: head_dim null
+PUBLISHED["Mixtral (transformers 5 saved)"] = {**PUBLISHED["Mixtral-8x7B-v0.1"], "head_dim": None}
+PUBLISHED["Qwen3 with head_dim null"] = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=None)
+PUBLISHED["Qwen3.5 (text)"] = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", head_dim=16,
+                                   layer_types=["linear_attention"])
+REFUSED = {"Mistral-7B-v0.1": ["sliding_window=4096"],
+           "DeepSeek-V3": ["rope_type 'yarn'", "a quantized checkpoint (quantization_config: fp8"],
+           "Qwen3 with head_dim null": ["does not load in transformers 5", "'head_dim' expected int, got NoneType"],
+           "Qwen3.5 (text)": ["'qwen3_5_text' is not supported", "gated-DeltaNet layers"]}
+
+
+def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
+    """Each family's published config.json (the tiny checkpoints of the trainer's tests are shaped so
+    too: scripts/build_tiny_model.py) loads with the values HF derives, or is refused in one line."""
+    for name, keys in PUBLISHED.items():
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**TINY_SIZES, **keys}))
+        if name in REFUSED:
+            with pytest.raises(ValueError) as err:
+                read_model_config(str(path))
+            message = str(err.value)
+            assert "\n" not in message and all(reason in message for reason in REFUSED[name]), message
+            continue
+        hf = read_model_config(str(path))
+        assert hf.head_dim == (keys.get("head_dim") or 64 // 4), name  # the published one, or HF's derivation
+        assert hf.rope_theta == keys.get("rope_theta", 10000.0), name
+        assert hf.rope_parameters["rope_theta"] == hf.rope_theta, name
+    assert read_model_config(str(tmp_path / "Llama-3.2-1B")).rope_parameters["rope_type"] == "llama3"
+    assert read_model_config(str(tmp_path / "Qwen2.5-0.5B")).sliding_window is None  # unused: no window applied
 
 
 def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):

