@@ -11,25 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
-TICKS = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.dirname(__file__))
+from process_census import read_processes  # noqa: E402 (beside this script, not a package)
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """pid -> (process title, user + system CPU seconds so far)."""
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{pid}/cmdline") as f:
-                title = f.read().replace("\0", " ").strip()[:60]
-        except OSError:  # the process ended meanwhile
-            continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        out[int(pid)] = (title or name, (int(fields[11]) + int(fields[12])) / TICKS)  # utime + stime
-    return out
+    return {pid: (" ".join(cmdline)[:60], cpu) for (pid, _), (cmdline, _, cpu) in read_processes().items()}
 
 
 def main() -> None:

@@ -25,6 +25,8 @@ def kind(cmdline: list[str]) -> str:
     title = cmdline[0] if cmdline else ""
     if title.startswith(("VLLM::", "ray::")):  # titles set by vLLM and Ray
         return title.split(".")[0].split(" ")[0]
+    if title.startswith("[pytest-xdist"):  # its workers title themselves by the test they run
+        return "pytest-xdist worker"
     joined = " ".join(cmdline)
     for mark, name in (("raylet", "raylet"), ("gcs_server", "gcs_server"), ("-m pytest", "pytest"),
                        ("asyncrl.cli", "asyncrl cli"), ("asyncrl ", "asyncrl cli"), ("ray/", "ray (other)")):
@@ -34,23 +36,28 @@ def kind(cmdline: list[str]) -> str:
     return "python " + os.path.basename(cmdline[1]) if program.startswith("python") and len(cmdline) > 1 else program
 
 
-def snapshot() -> dict[tuple[int, int], tuple[str, float]]:
-    seen = {}
+def read_processes() -> dict[tuple[int, int], tuple[list[str], str, float]]:
+    """(pid, start tick) -> (command line, kernel name, user + system CPU seconds so far) of every
+    process but kernel threads (a pid may be reused within a run; its start tick tells them apart)."""
+    out = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
+                stat = f.read()
             with open(f"/proc/{entry.name}/cmdline", "rb") as f:
                 cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:  # gone between the listing and the read
             continue
-        if not cmdline:  # kernel threads
-            continue
-        start, cpu = int(fields[19]), (int(fields[11]) + int(fields[12])) / TICKS
-        seen[(int(entry.name), start)] = (kind(cmdline), cpu)
-    return seen
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if cmdline:
+            out[(int(entry.name), int(fields[19]))] = (cmdline, name, (int(fields[11]) + int(fields[12])) / TICKS)
+    return out
+
+
+def snapshot() -> dict[tuple[int, int], tuple[str, float]]:
+    return {key: (kind(cmdline), cpu) for key, (cmdline, _, cpu) in read_processes().items()}
 
 
 def main(out: str) -> None:
