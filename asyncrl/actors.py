@@ -1,5 +1,5 @@
 """The one place that creates actors from a config: engines, rollout workers, the message
-queue, the trainer ranks, the weight-sync group and the run's RunControl, each with its Ray
+queue, the trainer ranks and the run's RunControl, each with its Ray
 options (names for the dashboard, CPUs, GPUs, concurrency) and, in a run, its placement-group bundle.
 
 The driver, `asyncrl eval`, the benchmarks and the tests all build their actors here, so
@@ -12,7 +12,9 @@ by Ray at this edge; nothing below this module imports Ray's actor machinery for
     trainer = create_trainer(cfg, placement.trainer); trainer.setup()
     queue = create_queue(cfg)
     workers = create_rollout_workers(cfg, engines, queue, placement.worker)
-    sync = create_weight_sync(cfg, trainer, engines); sync.connect()
+
+The weight-sync group between them is the control plane's (asyncrl/control/weight_sync.py
+`WeightSync.of`): it is no actor.
 """
 
 from __future__ import annotations
@@ -27,11 +29,9 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from asyncrl.clock import Clock
+from asyncrl import run_control
 from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
-from asyncrl.control.run_control import RunControl
-from asyncrl.control.weight_sync import WeightSync
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.pause import engines_stream
 from asyncrl.engine.sim_engine import SimEngine
@@ -41,7 +41,7 @@ from asyncrl.queue.message_queue import MessageQueue
 from asyncrl.reward.reward_model import RewardModelActor, RewardModelSettings
 from asyncrl.rollout.admission import StalenessController
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
-from asyncrl.sync.collective import broadcast_backend
+from asyncrl.run_control import RunControl
 from asyncrl.trainer.safe_checkpoint import ADAPTER_CONFIG_MAX_BYTES, read_checkpoint_json
 from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.trainer.sim_trainer import SimTrainerRank
@@ -82,11 +82,6 @@ class Placement:
 
         where = placement_group_table(self.group)["bundles_to_node_id"]
         return {name: where[i] for i, name in enumerate(self.names) if i in where}
-
-
-def weight_sync_backend(cfg: Config) -> str:
-    """The collective backend between trainer and engines: gloo on CPU, NCCL through cupy on GPUs."""
-    return broadcast_backend(cfg.cluster.device)
 
 
 def trainer_world_size(cfg: Config) -> int:
@@ -407,18 +402,12 @@ def create_trainer(cfg: Config, slots: list[Options] | None = None, rank_class: 
     return TrainerGroup(ranks)
 
 
-def create_weight_sync(cfg: Config, trainer: TrainerGroup, engines: list[EngineHandle]) -> WeightSync:
-    """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers, or the
-    shared region where they share its host or GPU (not connected yet: `connect()`). Simulated
-    backends broadcast (their broadcast is a wait of its simulated time)."""
-    sim = cfg.trainer.backend == "sim" or cfg.engine.backend == "sim"
-    return WeightSync(trainer, engines, weight_sync_backend(cfg), cfg.trainer.dist_timeout_s,
-                      Clock(cfg.cluster.time_scale), "broadcast" if sim else cfg.trainer.weight_sync_transport)
-
-
 # -- the run's mailbox -------------------------------------------------------------------
 
-def create_run_control(name: str, namespace: str) -> RunControlHandle:
-    """The run's RunControl (`asyncrl scale`, `asyncrl stop`), named `name` in `namespace` (the
-    run's own: asyncrl.control.run_control announces both); it holds no CPU (it only keeps a request)."""
-    return ray.remote(RunControl).options(name=name, namespace=namespace, num_cpus=0).remote()
+def create_run_control(run_dir: Path) -> RunControlHandle:
+    """The run's RunControl (`asyncrl scale`, `asyncrl stop`) in a namespace of the run's own,
+    announced in RUN_DIR/control.json; it holds no CPU (it only keeps a request)."""
+    where = run_control.control_address()
+    handle = ray.remote(RunControl).options(name=where["name"], namespace=where["namespace"], num_cpus=0).remote()
+    run_control.announce(run_dir, where)
+    return handle

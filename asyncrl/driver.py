@@ -54,7 +54,7 @@ from asyncrl.control.weight_sync import EnginesFailed
 from asyncrl.control.worker_pool import WorkerPool, kill
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.interfaces import QueueHandle
-from asyncrl.messages import FaultEvent, QueueStats, error_line
+from asyncrl.messages import ControlRequest, FaultEvent, QueueStats, error_line
 from asyncrl.monitoring.run_log import RunLog, eval_overlap
 from asyncrl.rollout.trust import model_limits
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused
@@ -80,6 +80,8 @@ class Driver:
         self.workers: WorkerPool | None = None
         self.supervisor: Supervisor | None = None
         self.elastic: Elastic | None = None
+        self.control: actors.RunControlHandle | None = None
+        self.stop_requested = False  # `asyncrl stop`: the run ends after this step
         self.queue: QueueHandle | None = None
         self.trainer: TrainerGroup | None = None
         self.placement = actors.Placement()
@@ -122,7 +124,8 @@ class Driver:
         self.prompts = Prompts(cfg.algorithm, cfg.trainer.dist_timeout_s, self.agents, self.workers, self.queue)
         self.supervisor = Supervisor(cfg.run, self.run_dir, self.engines, self.workers, lambda: self.step,
                                      self.prompts.restart_lost)
-        self.elastic = Elastic(cfg.engine.autoscale, self.run_dir, self.engines, self.workers, self.supervisor)
+        self.elastic = Elastic(cfg.engine.autoscale, self.engines, self.workers, self.supervisor)
+        self.control = actors.create_run_control(self.run_dir)  # `asyncrl scale`, `asyncrl stop`
         if cfg.run.resume_from:
             path = Path(cfg.run.resume_from)
             if cfg.run.resume_from == "latest":
@@ -150,7 +153,7 @@ class Driver:
         self.prompts.admit(self.admission_version)
         self._last, _ = self._clocks()
         self._started = self._last.time
-        while self.step < cfg.trainer.total_steps and not self.elastic.stop_requested:  # `asyncrl stop`
+        while self.step < cfg.trainer.total_steps and not self.stop_requested:
             if cfg.run.max_train_s and self.train_s >= cfg.run.max_train_s:
                 logger.info("run.max_train_s=%g reached after %d steps", cfg.run.max_train_s, self.step)
                 break
@@ -202,7 +205,11 @@ class Driver:
             self.save_checkpoint()
         self.log.log(step, metrics)
         self.queue.report.remote(gauges(metrics))
-        self.elastic.after_step(step, metrics)
+        asked: ControlRequest = ray.get(self.control.take_request.remote())
+        if asked.stop and not self.stop_requested:
+            logger.info("asyncrl stop: the run ends after step %d", step)
+        self.stop_requested |= asked.stop
+        self.elastic.after_step(step, metrics, asked.engines)
 
     def _clocks(self) -> tuple[Clocks, QueueStats]:
         """The totals a step's metrics are the differences of (worker stats fetched here, once a step)."""
@@ -393,8 +400,8 @@ class Driver:
         if not ray.is_initialized():
             return
         # The run is over: loops still generating would only fail, one traceback each, as their engine goes.
-        if self.elastic is not None:
-            self.elastic.close()
+        if self.control is not None:
+            kill(self.control)
         if self.workers is not None:
             self.workers.shutdown()
         if self.engines is not None:

@@ -15,7 +15,7 @@ to the interfaces.
 
 The shared weight-sync transports (asyncrl.sync.shared_buckets) add methods to the real engine and
 trainer rank only (`SharedWeightsEngine`, `SharedWeightsTrainerRank`): a run with a simulated
-backend always broadcasts (asyncrl.actors.create_weight_sync; a simulated broadcast is a wait of
+backend always broadcasts (asyncrl.control.weight_sync.WeightSync.of; a simulated broadcast is a wait of
 its simulated time), so on the sims those methods would be dead code. So would `TeacherEngine`'s:
 a teacher is a real engine.
 """

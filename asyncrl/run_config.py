@@ -21,10 +21,10 @@ from asyncrl.config import Config, ConfigError, compose, validate
 from asyncrl.config.models import trainable_model_problems
 
 
-def validate_config(cfg: DictConfig | dict[str, Any], trains: bool = False) -> Config:
+def validate_config(raw: DictConfig | dict[str, Any], trains: bool = False) -> Config:
     """The typed config, or a `ConfigError` naming every bad value. `trains`: for a command that
     trains, the model must be one the trainer loads (asyncrl eval serves any vLLM runs)."""
-    return validate(cfg, checks=[check_registered, *([trainable_model_problems] if trains else [])])
+    return validate(raw, checks=[check_registered, *([trainable_model_problems] if trains else [])])
 
 
 def load_config(overrides: list[str] | None = None) -> Config:
@@ -41,10 +41,10 @@ def load_config_file(path: str, overrides: list[str] | None = None) -> Config:
                                            OmegaConf.from_dotlist(list(overrides or []))))
 
 
-def validate_or_exit(cfg: DictConfig, trains: bool = False) -> Config:
+def validate_or_exit(raw: DictConfig, trains: bool = False) -> Config:
     """For CLI entry points: the typed config, or the problems on stderr and exit status 2."""
     try:
-        return validate_config(cfg, trains)
+        return validate_config(raw, trains)
     except ConfigError as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -65,7 +65,7 @@ def validate_shown_config(config_name: str, argv: Sequence[str] | None = None, t
     if args.config_dir is not None:
         overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).resolve()}]")
     try:
-        cfg = compose(overrides, config_name=args.config_name or config_name)
+        raw = compose(overrides, config_name=args.config_name or config_name)
     except Exception:  # Hydra composes again and reports the error its own way
         return
-    validate_or_exit(cfg, trains)
+    validate_or_exit(raw, trains)

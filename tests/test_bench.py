@@ -308,7 +308,8 @@ def test_the_trainer_benchs_flop_formula_by_hand():
     """Qwen3-0.6B's shape: its matmul parameters are the model card's 0.44B non-embedding ones
     (norms aside) plus the output layer; causal attention adds PaLM's 12 L H Q T halved (a token
     attends to half the row on average)."""
-    from asyncrl.bench.trainer import SHAPES, flops_per_token
+    from asyncrl.bench.config import SHAPES
+    from asyncrl.bench.trainer import flops_per_token
 
     shape = SHAPES["qwen3_0.6b"]
     attention = 1024 * 128 * (16 * 2 + 8 * 2)  # q and o: 16 heads of 128; k and v: 8

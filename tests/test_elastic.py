@@ -12,10 +12,10 @@ import pytest
 
 from asyncrl.config.schema import AutoscaleConfig
 from asyncrl.control.elastic import Elastic, autoscale_target
-from asyncrl.control.run_control import RunControl
 from asyncrl.messages import ControlRequest
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.run_config import load_config
+from asyncrl.run_control import RunControl
 
 RULE = AutoscaleConfig(enabled=True, min_engines=1, max_engines=3, grow_when_trainer_idle=0.3,
                        shrink_when_engines_idle=0.5, window_steps=2, cooldown_steps=3)
@@ -56,15 +56,14 @@ class Pool:
         self.starting = {}
 
 
-def elastic(pool: Pool, rule: AutoscaleConfig, requests: list):
+def elastic(pool: Pool, rule: AutoscaleConfig):
     recorded = []
-    return Elastic(rule, None, pool, None, SimpleNamespace(record=recorded.append),
-                   take_request=lambda: requests.pop(0) if requests else ControlRequest()), recorded
+    return Elastic(rule, pool, None, SimpleNamespace(record=recorded.append)), recorded
 
 
 def test_autoscale_waits_a_window_and_a_cooldown_between_changes():
     pool = Pool(1)
-    e, recorded = elastic(pool, RULE, [])
+    e, recorded = elastic(pool, RULE)
     waiting = {"idle/trainer": 0.8, "idle/engines": 0.0}
     e.after_step(1, waiting)
     assert pool.calls == []  # one step of two
@@ -86,21 +85,17 @@ def test_autoscale_waits_a_window_and_a_cooldown_between_changes():
 
 def test_a_request_wins_over_the_rule_and_waits_for_engines_still_starting():
     pool = Pool(2)
-    requests = [ControlRequest(engines=4), ControlRequest(), ControlRequest(), ControlRequest(engines=1)]
-    e, recorded = elastic(pool, dataclasses.replace(RULE, enabled=False), requests)
-    e.after_step(1, {})
+    e, recorded = elastic(pool, dataclasses.replace(RULE, enabled=False))
+    e.after_step(1, {}, asked=4)  # `asyncrl scale --engines 4`, handed over by the driver
     assert pool.calls == [("grow", 2, "asyncrl scale")] and pool.starting
     e.after_step(2, {})
     e.after_step(3, {})
-    e.after_step(4, {})  # asks for 1 while two engines still start: it waits
+    e.after_step(4, {}, asked=1)  # asks for 1 while two engines still start: it waits
     assert len(pool.calls) == 1 and e.wanted == (1, "asyncrl scale")
     pool.started()
     e.after_step(5, {})
     assert pool.calls[-1] == ("shrink", 3, "asyncrl scale") and pool.n == 1
     assert recorded[-1].engines_before == 4 and recorded[-1].engines_after == 1 and recorded[-1].step == 5
-    requests.append(ControlRequest(stop=True))  # `asyncrl stop`: noted for the driver's loop
-    e.after_step(6, {})
-    assert e.stop_requested and len(pool.calls) == 2
 
 
 def test_run_control_keeps_the_newest_request_and_refuses_nonsense():

@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from asyncrl import actors, interfaces
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.interfaces import (
@@ -133,7 +134,7 @@ def test_the_handles_name_their_interfaces():
 def test_a_simulated_run_always_broadcasts():
     """Why the sims need not carry the shared transports' methods."""
     cfg = load_config([*SIM, "trainer.weight_sync_transport=shared_memory"])
-    assert actors.create_weight_sync(cfg, TrainerGroup([object()]), []).wanted == "broadcast"
+    assert WeightSync.of(cfg, TrainerGroup([object()]), []).wanted == "broadcast"
 
 
 def test_the_checker_sees_a_rename_on_either_side():

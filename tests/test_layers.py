@@ -116,7 +116,7 @@ GIVEN_SECTIONS = [
     "asyncrl.engine.engine_actor:EngineActor", "asyncrl.engine.sim_engine:SimEngine",
     "asyncrl.queue.message_queue:MessageQueue", "asyncrl.rollout.worker:RolloutWorker",
     "asyncrl.trainer.trainer_rank:TrainerRank", "asyncrl.trainer.sim_trainer:SimTrainerRank",
-    "asyncrl.control.run_control:RunControl", "asyncrl.reward.reward_model:RewardModelActor",
+    "asyncrl.run_control:RunControl", "asyncrl.reward.reward_model:RewardModelActor",
     "asyncrl.agents.api:Agent", "asyncrl.agents.dataset:DatasetAgent",
     "asyncrl.agents.remote:RemoteAgent", "asyncrl.agents.reward_only:RewardOnlyAgent",
     "asyncrl.control.prompts:Prompts", "asyncrl.control.periodic_eval:PeriodicEvaluation",

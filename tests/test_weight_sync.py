@@ -117,7 +117,7 @@ def test_sync_after_training_gives_engines_the_trainers_weights(trainer_ranks, b
     with engine_and_trainer(cfg, trainer_ranks) as (engine, trainer, setup, info):
         assert info.plain_weights == (not prepack)
         assert setup.weight_bytes > 4_000_000 and setup.tp == 1
-        sync = actors.create_weight_sync(cfg, trainer, [engine])
+        sync = WeightSync.of(cfg, trainer, [engine])
         segments = set(os.listdir(SHM_DIR))
         sync.connect()
         assert sync.transport == transport
@@ -188,7 +188,7 @@ def test_a_lora_policy_reaches_the_engine_as_an_adapter_from_memory(trainer_rank
         # PEFT's A and B per projection, rank 8, hidden 128, MLP 512: q, k, v, o 8 x 128 + 128 x 8 each;
         # gate, up 8 x 128 + 512 x 8, down 8 x 512 + 128 x 8; 4 layers of float32 (the whole model: 4.5 MB)
         assert setup.weight_bytes == 4 * 4 * (4 * 2 * 8 * 128 + 3 * 8 * (128 + 512)) == 376_832
-        sync = actors.create_weight_sync(cfg, trainer, [engine])
+        sync = WeightSync.of(cfg, trainer, [engine])
         sync.connect()
         ids = [tok.encode(p) for p in PROMPTS]
         base = AutoModelForCausalLM.from_pretrained(base_model).eval()

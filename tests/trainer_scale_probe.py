@@ -43,7 +43,8 @@ class SquareWatch(TorchDispatchMode):
 def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
     from megatron.core import parallel_state as mpu
 
-    from asyncrl.bench.trainer import SHAPES, synthetic_groups
+    from asyncrl.bench.config import SHAPES
+    from asyncrl.bench.trainer import synthetic_groups
     from asyncrl.run_config import load_config
     from asyncrl.sync.group_store import new_group_secret
     from asyncrl.trainer.settings import TrainerSettings

@@ -54,6 +54,7 @@ from asyncrl.bench.config import BenchConfig
 from asyncrl.bench.sync_vs_async import mode_config
 from asyncrl.bench.weight_sync import synthetic_groups
 from asyncrl.config import CONF_DIR, REPO_ROOT, Config
+from asyncrl.control.weight_sync import WeightSync
 from asyncrl.cpu_cores import parse_cores
 from asyncrl.metrics import LENGTH_BIN_TOKENS
 from asyncrl.monitoring.run_log import read_metrics
@@ -218,7 +219,7 @@ def measure_layout(cfg: Config, bench: BenchConfig, prompts: list[list[int]], co
         trainer = actors.create_trainer(cfg)
         info = trainer.setup()
         ray.get(started)
-        sync = actors.create_weight_sync(cfg, trainer, engines)
+        sync = WeightSync.of(cfg, trainer, engines)
         sync.connect()
         engine = engines[0]
         short_t, long_t = bench.calibrate_tokens

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -15,6 +16,19 @@ from asyncrl.config import ConfigError
 from asyncrl.config.schema import LOSS_TYPES, PAUSE_MODES
 
 PREFIX = "bench."
+
+
+# The trainer bench's random models (bench.model_shape): Qwen3's layout at these sizes.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True),
+    "qwen3_0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3_1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3_4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
 
 
 @dataclass
@@ -74,7 +88,7 @@ class BenchConfig:
     calibrate_tokens: list[int] = field(default_factory=lambda: [8, 72])
     lengths_from: str = ""
     scenario_out: str = ""
-    # trainer bench: a random model of this shape (asyncrl/bench/trainer.py SHAPES), trained on
+    # trainer bench: a random model of this shape (SHAPES, below), trained on
     # train_groups x n_samples trajectories of seq_len tokens a step, for trainer_steps timed steps
     model_shape: str = "tiny"
     seq_len: int = 1024
@@ -152,8 +166,6 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
                         "one of them >= 16 (prefill is timed on those)")
     if len(b.calibrate_tokens) != 2 or not 1 <= b.calibrate_tokens[0] < b.calibrate_tokens[1]:
         problems.append(f"bench.calibrate_tokens={b.calibrate_tokens!r}: two lengths, 1 <= shorter < longer")
-    from asyncrl.bench.trainer import SHAPES
-
     if b.model_shape not in SHAPES:
         problems.append(f"bench.model_shape={b.model_shape!r}: must be one of {list(SHAPES)}")
     for name in ("seq_len", "train_groups"):

@@ -40,35 +40,25 @@ from typing import Any
 
 import torch
 
-from asyncrl.bench.config import BenchConfig
+from asyncrl.bench.config import SHAPES, BenchConfig
 from asyncrl.config.schema import Config
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
 logger = logging.getLogger(__name__)
 
 # Qwen3's published shapes (config.json of Qwen/Qwen3-*), and a tiny one for CPU tests.
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True),
-    "qwen3_0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3_1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3_4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-}
 
 
 def build_random_model(shape: str, out_dir: str, seq_len: int) -> Path:
     """A random Qwen3 checkpoint of `shape` in `out_dir` (bf16; built on the GPU where there is one)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=max(4096, seq_len), rope_theta=1e6,
+    hf_config = Qwen3Config(**SHAPES[shape], max_position_embeddings=max(4096, seq_len), rope_theta=1e6,
                       torch_dtype="bfloat16")
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
     del model
     return Path(out_dir)

@@ -141,7 +141,7 @@ def run_weight_sync_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         trainer = actors.create_trainer(cfg, rank_class=RawBroadcastRank)
         info = trainer.setup()  # while the engines start
         ray.get(started)
-        sync = actors.create_weight_sync(cfg, trainer, engines)
+        sync = WeightSync.of(cfg, trainer, engines)
         sync.wanted = "broadcast"  # the shared transport is measured after, in part two
         sync.connect()
 

@@ -1,6 +1,6 @@
 """Config validation: every key, type and value is checked before any actor starts.
 
-`validate(cfg)` merges a composed Hydra config into the typed schema (unknown keys and
+`validate(raw)` merges a composed Hydra config into the typed schema (unknown keys and
 wrong types fail there), then checks the values, and raises one `ConfigError` listing
 every problem found — each naming the key, the value and what would be valid.
 """
@@ -79,11 +79,11 @@ MAX_GENERATED_PROBLEMS = 1_000_000  # a reasoning-gym source generates all of tr
 Check = Callable[[Config], list[str]]
 
 
-def validate(cfg: DictConfig | dict[str, Any], checks: Sequence[Check] = ()) -> Config:
+def validate(raw: DictConfig | dict[str, Any], checks: Sequence[Check] = ()) -> Config:
     """Check a composed config and return it as a typed `Config`; raise `ConfigError` if invalid.
     `checks` add problems the schema cannot see (asyncrl.run_config passes the registries')."""
     problems: list[str] = []
-    typed = _merge_into_schema(cfg, problems)
+    typed = _merge_into_schema(raw, problems)
     if typed is None:
         raise ConfigError(problems)
     _check_values(typed, problems)
@@ -128,18 +128,18 @@ def check_data(key: str, data: Any) -> list[str]:
     return problems
 
 
-def _merge_into_schema(cfg: DictConfig | dict[str, Any], problems: list[str]) -> Config | None:
+def _merge_into_schema(raw: DictConfig | dict[str, Any], problems: list[str]) -> Config | None:
     """Key and type checks, one section at a time so that all sections report."""
-    if not isinstance(cfg, DictConfig):
-        cfg = OmegaConf.create(cfg)
+    if not isinstance(raw, DictConfig):
+        raw = OmegaConf.create(raw)
     schema = OmegaConf.structured(Config)
-    for key in cfg:
+    for key in raw:
         if key not in schema:
             valid = ", ".join(schema.keys())
             problems.append(f"{key}: unknown config section; valid sections are {valid}")
             continue
         try:
-            schema[key] = OmegaConf.merge(schema[key], cfg[key])
+            schema[key] = OmegaConf.merge(schema[key], raw[key])
         except OmegaConfBaseException as e:
             problems.append(_describe_omegaconf_error(e, key))
     if problems:

@@ -4,8 +4,8 @@
     engine.autoscale.enabled=true          # grow while the trainer waits for data, shrink while engines idle
 
 `asyncrl scale` reaches the driver through the run's `RunControl` actor
-(asyncrl/control/run_control.py, which also carries `asyncrl stop`); the driver reads the
-requests once a step, after the step's metrics (`after_step`).
+(asyncrl/run_control.py, which also carries `asyncrl stop`); the driver reads the
+requests once a step, after the step's metrics, and hands an engine count here (`after_step`).
 
 Growing starts new engines while the run goes on, each in a placement group of its own (on a
 cluster with Ray's autoscaler, possibly a new node); they join the weight-broadcast group once
@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import ray
-
-from asyncrl.actors import RunControlHandle
 from asyncrl.config.schema import AutoscaleConfig
 from asyncrl.control.engine_pool import EnginePool
-from asyncrl.control.run_control import start_run_control
 from asyncrl.control.supervisor import Supervisor
-from asyncrl.control.worker_pool import WorkerPool, kill
-from asyncrl.messages import ControlRequest, ScaleEvent
+from asyncrl.control.worker_pool import WorkerPool
+from asyncrl.messages import ScaleEvent
 
 logger = logging.getLogger(__name__)
 
@@ -56,30 +50,18 @@ def autoscale_target(idle: list[tuple[float, float]], engines: int, rule: Autosc
 
 
 class Elastic:
-    def __init__(self, rule: AutoscaleConfig, run_dir: Path, engines: EnginePool, workers: WorkerPool,
-                 supervisor: Supervisor,
-                 take_request: Callable[[], ControlRequest] | None = None):
-        """`take_request`: where requests come from (default: a RunControl actor of the run's own,
-        announced in RUN_DIR/control.json)."""
+    def __init__(self, rule: AutoscaleConfig, engines: EnginePool, workers: WorkerPool, supervisor: Supervisor):
         self.engines, self.workers, self.supervisor = engines, workers, supervisor
         self.rule = rule  # engine.autoscale
         self.idle: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.rule.window_steps)
         self.cooldown = 0  # steps before the rule may fire again
         self.wanted: tuple[int, str] | None = None  # a request not applied yet, and its reason
-        self.stop_requested = False  # `asyncrl stop`: the driver ends the run after this step
-        self.control: RunControlHandle | None = None
-        if take_request is None:
-            self.control = start_run_control(Path(run_dir))
-            take_request = lambda: ray.get(self.control.take_request.remote())  # noqa: E731
-        self.take_request = take_request
 
-    def after_step(self, step: int, metrics: dict[str, Any]) -> None:
-        """Take a request (`asyncrl scale`, else the autoscale rule's) and apply it unless
-        engines are still starting (then it waits); note an `asyncrl stop`."""
-        asked = self.take_request()
-        self.stop_requested |= asked.stop
-        if asked.engines is not None:
-            self.wanted = (asked.engines, "asyncrl scale")
+    def after_step(self, step: int, metrics: dict[str, Any], asked: int | None = None) -> None:
+        """Apply `asked` engines (`asyncrl scale`), else the autoscale rule's count, unless engines
+        are still starting (then it waits)."""
+        if asked is not None:
+            self.wanted = (asked, "asyncrl scale")
         if self.rule.enabled:
             self.idle.append((metrics.get("idle/trainer", 0.0), metrics.get("idle/engines", 0.0)))
             self.cooldown = max(0, self.cooldown - 1)
@@ -106,7 +88,3 @@ class Elastic:
             self.supervisor.record(event)
         self.idle.clear()
         self.cooldown = self.rule.cooldown_steps
-
-    def close(self) -> None:
-        if self.control is not None:
-            kill(self.control)

@@ -50,7 +50,7 @@ class EnginePool:
 
     def connect(self, trainer: TrainerGroup) -> None:
         """A weight-broadcast group of `trainer` and the live engines."""
-        self.sync = actors.create_weight_sync(self.cfg, trainer, self.live())
+        self.sync = WeightSync.of(self.cfg, trainer, self.live())
         self.sync.connect()
 
     def reform_group(self) -> None:

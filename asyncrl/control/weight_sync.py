@@ -29,9 +29,10 @@ import time
 import ray
 
 from asyncrl.clock import Clock
+from asyncrl.config.schema import Config
 from asyncrl.interfaces import EngineHandle
 from asyncrl.messages import SyncTimings, WeightUpdateReport, error_line
-from asyncrl.sync.collective import BucketPlan
+from asyncrl.sync.collective import BucketPlan, broadcast_backend
 from asyncrl.sync.group_store import new_group_secret
 from asyncrl.sync.shared_buckets import choose_transport
 from asyncrl.trainer.trainer_group import TrainerGroup
@@ -67,6 +68,15 @@ class WeightSync:
         self.world_size = 0
         self.store_address: tuple[str, int] | None = None  # (host, port) of the group's store, once connected
         self.clock = clock or Clock()  # the timings' (simulated seconds with simulated backends)
+
+    @classmethod
+    def of(cls, cfg: Config, trainer: TrainerGroup, engines: list[EngineHandle]) -> WeightSync:
+        """The weight-broadcast group between trainer rank 0 and every engine's vLLM workers, or the
+        shared region where they share its host or GPU (not connected yet: `connect()`). Simulated
+        backends broadcast (their broadcast is a wait of its simulated time)."""
+        sim = cfg.trainer.backend == "sim" or cfg.engine.backend == "sim"
+        return cls(trainer, engines, broadcast_backend(cfg.cluster.device), cfg.trainer.dist_timeout_s,
+                   Clock(cfg.cluster.time_scale), "broadcast" if sim else cfg.trainer.weight_sync_transport)
 
     def connect(self) -> float:
         """Form the broadcast group (trainer rank 0 + every vLLM worker), or the shared region

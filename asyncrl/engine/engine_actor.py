@@ -95,7 +95,7 @@ class EngineActor:
         self.stream_outputs = stream_outputs  # False: one output a request; pause("keep") is refused
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
-        self.cfg = engine
+        self.settings = engine  # the engine section
         self.device = device
         self.version = 0
         self._llm = None
@@ -119,14 +119,14 @@ class EngineActor:
         """Start vLLM; returns (and logs) the start time, resident memory, the cores its processes
         may run on, vLLM's processes and whether the model runs in the engine core."""
         t0 = time.monotonic()
-        bind_this_process(self.cfg.cpu_cores)  # before vLLM starts: its processes inherit the binding
-        configure_vllm_env(self.cfg, self.device)
+        bind_this_process(self.settings.cpu_cores)  # before vLLM starts: its processes inherit the binding
+        configure_vllm_env(self.settings, self.device)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.cfg, self.device, self.adapters.rank,
-                                    self.adapters.versions)
-        if self.device == "cpu" and (why := cpu_dtype_problem(kwargs["dtype"], self.cfg.cpu_amx)):
+        kwargs = vllm_engine_kwargs(self.model_path, self.tokenizer_path, self.settings, self.device,
+                                    self.adapters.rank, self.adapters.versions)
+        if self.device == "cpu" and (why := cpu_dtype_problem(kwargs["dtype"], self.settings.cpu_amx)):
             raise ValueError(f"engine-{self.engine_id}: {why}")  # a node whose CPU the driver's validation did not see
         if self.return_routes:  # a prefix-cache hit would skip positions: their routes never seen
             kwargs["enable_prefix_caching"] = False
@@ -136,7 +136,7 @@ class EngineActor:
         # between steps, so the core's abort pause completes as soon as it is handled.
         self._pause_is_immediate = max_concurrent_batches(self._llm) == 1
         plain = False
-        if self.device == "cpu" and not self.cfg.cpu_prepack_weights:
+        if self.device == "cpu" and not self.settings.cpu_prepack_weights:
             plain = all(await self._llm.collective_rpc("asyncrl_use_plain_weights", args=(self.model_path,)))
             if not plain:
                 logger.warning("engine-%d: engine.cpu_prepack_weights=false has no effect on this model "
@@ -390,7 +390,7 @@ class EngineActor:
 
     def num_workers(self) -> int:
         """vLLM worker processes of this engine; each is one member of the broadcast group."""
-        return self.cfg.tensor_parallel_size
+        return self.settings.tensor_parallel_size
 
     def node_id(self) -> str:
         """The Ray node this engine and its vLLM workers run on (the broadcast group's store binds

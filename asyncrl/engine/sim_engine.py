@@ -130,7 +130,7 @@ class _Replica:
     async def schedule(self) -> None:
         """Admit, step until the next event, hand out tokens; forever."""
         e = self.engine
-        block = e.cfg.sim.token_block  # a simulated token is a block of decode steps
+        block = e.settings.sim.token_block  # a simulated token is a block of decode steps
         while True:
             if e.paused or not (self.waiting or self.running):
                 self.still.set()
@@ -138,7 +138,7 @@ class _Replica:
                 await self.wake.wait()
                 continue
             self.still.clear()
-            while self.waiting and len(self.running) < e.cfg.max_num_seqs:
+            while self.waiting and len(self.running) < e.settings.max_num_seqs:
                 request = self.waiting.pop(0)
                 self.prefill_debt += e.decode.prefill_s(request.prefill_tokens)
                 self.running.append(request)
@@ -191,7 +191,7 @@ class SimEngine:
                  stream_outputs: bool = True, time_scale: float = 1.0, receive_s: float = 0.0,
                  max_new_tokens: int = 1 << 20):
         self.engine_id = engine_id
-        self.cfg = engine
+        self.settings = engine  # the engine section
         self.stream_outputs = stream_outputs
         self.clock = Clock(time_scale)
         self.receive_s = receive_s  # the trainer's broadcast, as this engine waits for it
@@ -245,7 +245,7 @@ class SimEngine:
     async def generate(self, prompt_token_ids: list[int], sampling: SamplingSpec, request_id: str) -> GenerationResult:
         await self._accepting.wait()
         token_id, had, length = self._response(prompt_token_ids, sampling.max_new_tokens)
-        block = self.cfg.sim.token_block
+        block = self.settings.sim.token_block
         left = max(0, -(-length // block) - had)  # in blocks
         context, prefill = self._context_tokens(prompt_token_ids)
         request = _Request(request_id, prefill, context, min(left, sampling.max_new_tokens), token_id,
@@ -275,13 +275,13 @@ class SimEngine:
             token_id, head = prompt[-1], prompt[:-had]
         else:
             token_id, head = self.rng.choice(self.sim_tokens), prompt
-        length = self.lengths.draw(random.Random(hash((tuple(head), token_id, self.cfg.sim.seed))))
+        length = self.lengths.draw(random.Random(hash((tuple(head), token_id, self.settings.sim.seed))))
         return token_id, had, length
 
     def _context_tokens(self, prompt: list[int]) -> tuple[int, int]:
         """(the context's tokens, those its prefill costs): the prompt's own (or engine.sim.prompt_tokens),
         then a block for every simulated token from the first response token on."""
-        sim = self.cfg.sim
+        sim = self.settings.sim
         first = next((i for i, t in enumerate(prompt) if t in self.sim_tokens), len(prompt))
         context = (sim.prompt_tokens or first) + (len(prompt) - first) * sim.token_block
         if not sim.prefix_cache or first == len(prompt):
@@ -333,9 +333,9 @@ class SimEngine:
             replica.wake.set()
 
     async def load_weights(self, state_dict: dict, version: int) -> float:
-        await self.clock.asleep(self.cfg.sim.load_s)
+        await self.clock.asleep(self.settings.sim.load_s)
         self.version = version
-        return self.cfg.sim.load_s
+        return self.settings.sim.load_s
 
     def num_workers(self) -> int:
         return 1
@@ -354,13 +354,13 @@ class SimEngine:
         """pause -> the broadcast's time -> load_s -> become `version` -> resume."""
         t0 = self.clock.now()
         pause_s = await self.pause(pause_mode)
-        await self.clock.asleep(self.receive_s + self.cfg.sim.load_s)
+        await self.clock.asleep(self.receive_s + self.settings.sim.load_s)
         self.version = version
         t1 = self.clock.now()
         await self.resume()
         t2 = self.clock.now()
         return WeightUpdateReport(pause_s=pause_s, broadcast_load_s=t1 - t0 - pause_s, receive_s=self.receive_s,
-                                  load_s=self.cfg.sim.load_s, resume_s=t2 - t1, paused_s=t2 - t0, load_path="sim",
+                                  load_s=self.settings.sim.load_s, resume_s=t2 - t1, paused_s=t2 - t0, load_path="sim",
                                   in_place_bytes=0, checksums={})
 
 

@@ -74,12 +74,12 @@ class Critic:
 
         from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge
 
-        self.cfg = settings.algorithm.critic
+        self.spec = settings.algorithm.critic  # algorithm.critic
         self.device, self.dtype, self.use_te = device, dtype, use_te
         self.dp_size = mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
-        self.path = self.cfg.path or settings.model.path
-        self.lr = self.cfg.lr or settings.trainer.lr
+        self.path = self.spec.path or settings.model.path
+        self.lr = self.spec.lr or settings.trainer.lr
         self.whiten = settings.algorithm.loss.normalize_adv_std  # the advantages, over the step's tokens
         # a bridge of its own: megatron keeps the schedule's hooks (DDP's, the loss scale) in the
         # model's config object, which the policy's bridge shares with the policy
@@ -118,7 +118,8 @@ class Critic:
         batches = [b for update in updates for b in update]
         for b in batches:
             b.values = run_schedule(self.model, [b], self._forward_step, forward_only=True)[0]
-            b.advantages, b.returns = packed_gae(b.values, b.mask, b.seq_index, b.rewards, self.cfg.gamma, self.cfg.lam)
+            b.advantages, b.returns = packed_gae(b.values, b.mask, b.seq_index, b.rewards, self.spec.gamma,
+                                                 self.spec.lam)
         # whitening and the statistics over the trained tokens of every data-parallel rank
         a, v, g = (_trained(batches, name) for name in ("advantages", "values", "returns"))
         sums = self._dp_sum([a.numel(), a.sum(), (a * a).sum(), v.sum(), g.sum(), (g * g).sum(), (g - v).sum(),
@@ -186,7 +187,7 @@ class Critic:
         if forward_only:
             return torch.zeros((), device=values.device), values.detach().cpu()
         out = value_loss(values, *(t.to(values.device) for t in (batch.values, batch.returns, batch.mask,
-                                                                  batch.weights)), self.cfg.value_clip)
+                                                                  batch.weights)), self.spec.value_clip)
         # as the policy's loss: the weights average over the mini-batch of every data-parallel rank
         return out.loss * num_micro * self.dp_size, out
 

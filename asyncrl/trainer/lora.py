@@ -40,27 +40,27 @@ PEFT_PREFIX = "base_model.model.model.layers"
 class LoRAAdapter(torch.nn.Module):
     """A and B of one adapted layer (this rank's shards), and the output they add."""
 
-    def __init__(self, base: torch.nn.Module, kind: str, cfg: LoRAConfig, tp_size: int, generator: torch.Generator):
+    def __init__(self, base: torch.nn.Module, kind: str, lora: LoRAConfig, tp_size: int, generator: torch.Generator):
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         super().__init__()
-        self.kind, self.scale = kind, cfg.alpha / cfg.rank
+        self.kind, self.scale = kind, lora.alpha / lora.rank
         out_local, in_local = base.weight.shape
         device, dtype = base.weight.device, base.weight.dtype
         in_full = in_local * tp_size if kind == "row" else in_local
         # PEFT's init: A kaiming-uniform, B zero (the adapted model starts as the base model). The
         # whole A is drawn from a generator every rank seeds alike, so replicas and shards agree.
-        a = torch.empty(cfg.rank, in_full)
+        a = torch.empty(lora.rank, in_full)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
         if kind == "row":
             from megatron.core import parallel_state as mpu
 
             a = a.chunk(tp_size, dim=1)[mpu.get_tensor_model_parallel_rank()]
         self.A = torch.nn.Parameter(a.to(device=device, dtype=dtype).contiguous())
-        self.B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, device=device, dtype=dtype))
+        self.B = torch.nn.Parameter(torch.zeros(out_local, lora.rank, device=device, dtype=dtype))
         split = self.B if kind == "column" else self.A
         set_tensor_model_parallel_attributes(split, True, 0 if kind == "column" else 1, 1)
-        self.dropout = torch.nn.Dropout(cfg.dropout) if cfg.dropout else torch.nn.Identity()
+        self.dropout = torch.nn.Dropout(lora.dropout) if lora.dropout else torch.nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel
@@ -101,7 +101,7 @@ def adapted_layers(model: torch.nn.Module, targets: list[str]) -> Iterator[tuple
             yield layer.layer_number - 1, target, parent, LORA_TARGETS[target]
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int) -> int:
+def apply_lora(model: torch.nn.Module, lora: LoRAConfig, seed: int) -> int:
     """Freeze `model` (an unwrapped GPTModel) and give each target layer an adapter; returns the
     number of adapter parameters on this rank. Call before DDP and the optimizer are built:
     they hold (and keep state for) the parameters that need gradients only."""
@@ -113,11 +113,11 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, seed: int) -> int:
         p.requires_grad_(False)
     tp = mpu.get_tensor_model_parallel_world_size()
     count = 0
-    for index, target, parent, kind in adapted_layers(model, cfg.target_modules):
+    for index, target, parent, kind in adapted_layers(model, lora.target_modules):
         base = getattr(parent, target)
         generator = torch.Generator().manual_seed(seed * 100_003 + index * len(LORA_TARGETS)
                                                   + list(LORA_TARGETS).index(target))
-        adapter = LoRAAdapter(base, kind, cfg, tp, generator)
+        adapter = LoRAAdapter(base, kind, lora, tp, generator)
         parent.add_module(f"{target}_lora", adapter)
         base.register_forward_hook(_add_adapter_output(adapter))
         count += adapter.A.numel() + adapter.B.numel()
@@ -205,11 +205,11 @@ def _split_rows(target: str, shards: list[torch.Tensor], mcfg) -> list[torch.Ten
             g[:, q_rows + head:].reshape(-1, b.shape[-1])]
 
 
-def peft_config(cfg: LoRAConfig, base_model_path: str) -> dict:
+def peft_config(lora: LoRAConfig, base_model_path: str) -> dict:
     """adapter_config.json for the tensors of peft_tensors (PEFT and vLLM read it)."""
-    modules = sorted(p for t in cfg.target_modules for p in HF_PROJECTIONS[t][1])
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "target_modules": modules, "bias": "none",
+    modules = sorted(p for t in lora.target_modules for p in HF_PROJECTIONS[t][1])
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
             "base_model_name_or_path": base_model_path, "fan_in_fan_out": False, "inference_mode": True}
 
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 from asyncrl.config.validate import MAX_WORKERS
 from asyncrl.messages import ControlRequest
 
-# Ray is imported only where it is used (asyncrl.actors imports it): `asyncrl scale` and `asyncrl stop`
-# load this module and must set RAY_AUTH_MODE before Ray loads.
+# Ray is imported only where it is used: `asyncrl scale` and `asyncrl stop` load this module and
+# must set RAY_AUTH_MODE before Ray loads.
 if TYPE_CHECKING:
-    from asyncrl.actors import RunControlHandle
+    from ray.actor import ActorHandle
 
 CONTROL_FILE = "control.json"
 
@@ -49,24 +49,24 @@ class RunControl:
         return request
 
 
-def start_run_control(run_dir: Path) -> RunControlHandle:
-    """The run's RunControl actor (built by asyncrl.actors), in a namespace of its own, announced in
-    RUN_DIR/control.json (with Ray's authentication mode: a local cluster uses token authentication,
-    the token in ~/.ray/auth_token, and a client must ask for it before it imports Ray)."""
+def control_address() -> dict[str, str]:
+    """Where a new run's RunControl goes: the Ray cluster's address, a namespace of the run's own, its
+    name, and Ray's authentication mode (a local cluster uses token authentication, the token in
+    ~/.ray/auth_token, and a client must ask for it before it imports Ray)."""
     import ray
 
-    from asyncrl import actors
+    return {"address": ray.get_runtime_context().gcs_address, "namespace": f"asyncrl-{uuid.uuid4().hex[:12]}",
+            "name": "asyncrl-control", "auth_mode": os.environ.get("RAY_AUTH_MODE", "")}
 
-    where = {"address": ray.get_runtime_context().gcs_address, "namespace": f"asyncrl-{uuid.uuid4().hex[:12]}",
-             "name": "asyncrl-control", "auth_mode": os.environ.get("RAY_AUTH_MODE", "")}
-    control = actors.create_run_control(where["name"], where["namespace"])
+
+def announce(run_dir: Path, where: dict[str, str]) -> None:
+    """Tell `asyncrl scale` and `asyncrl stop` where the run's RunControl is: RUN_DIR/control.json."""
     path = run_dir / CONTROL_FILE
     path.write_text(json.dumps(where) + "\n")
     path.chmod(0o600)
-    return control
 
 
-def _control(run_dir: Path, command: str) -> RunControlHandle:
+def _control(run_dir: Path, command: str) -> ActorHandle[RunControl]:
     """The RunControl actor of the run in `run_dir` (this process joins its Ray cluster)."""
     path = Path(run_dir) / CONTROL_FILE
     if not path.is_file():
