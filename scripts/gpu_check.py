@@ -115,9 +115,10 @@ def logprobs(rank, groups: list, cfg) -> list[float]:
     """The trainer's logprob of every response token of `groups`, packed as a train step packs them."""
     import torch
 
+    from asyncrl.algorithm.plan import AdvantagePlan
     from asyncrl.trainer.batch import build_samples
 
-    samples = build_samples(groups, cfg.algorithm.loss).samples
+    samples = build_samples(groups, AdvantagePlan.of(cfg.algorithm)).samples
     batches = [b for update in rank._packed_updates(samples) for b in update]
     return torch.cat([rank._logprobs(rank.model, b) for b in batches]).tolist()
 

@@ -105,7 +105,8 @@ def test_rloo_and_reinforce_pp_advantages_by_hand():
     assert rloo_advantages([5.0]) == [0.0]
     # REINFORCE++ normalises over the whole step: two groups [1, 0] and [1, 1] (not filtered) ->
     # batch 1, 0, 1, 1: mean 0.75, sample std sqrt((3 * 0.0625 + 0.5625) / 3) = 0.5
-    from asyncrl.config.schema import LossConfig as Loss
+    from asyncrl.algorithm.plan import AdvantagePlan as Plan
+    from asyncrl.config.schema import AlgorithmConfig
     from asyncrl.trainer.batch import build_samples
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
@@ -114,18 +115,43 @@ def test_rloo_and_reinforce_pp_advantages_by_hand():
                                                        reward=r) for r in rewards])
 
     groups = [group("a", [1.0, 0.0]), group("b", [1.0, 1.0])]
-    samples = build_samples(groups, Loss(filter_uniform_groups=False), "reinforce_pp").samples
+    samples = build_samples(groups, Plan("reinforce_pp", filter_uniform=False)).samples
     expect = [(r - 0.75) / (0.5 + 1e-4) for r in (1, 0, 1, 1)]
     assert [s.advantage for s in samples] == pytest.approx(expect)
-    rloo = build_samples(groups, Loss(filter_uniform_groups=False), "rloo").samples
+    rloo = build_samples(groups, Plan("rloo", filter_uniform=False)).samples
     assert [s.advantage for s in rloo] == pytest.approx([1.0, -1.0, 0.0, 0.0])
     # the filter's default (null) is by the advantage: REINFORCE++ keeps the uniform group b in its
     # statistics (the same advantages as above), grpo and rloo leave it out (its advantages are all 0)
-    by_default = build_samples(groups, Loss(), "reinforce_pp")
-    assert [s.advantage for s in by_default.samples] == pytest.approx(expect) and not by_default.filtered
-    assert build_samples(groups, Loss(), "rloo").filtered == build_samples(groups, Loss(), "grpo").filtered == \
-        {"b": "uniform"}
-    assert not build_samples(groups, Loss(filter_uniform_groups=False), "grpo").filtered  # an explicit setting holds
+    def by_default(advantage: str, **loss):
+        return build_samples(groups, Plan.of(AlgorithmConfig(advantage=advantage, loss=LossConfig(**loss))))
+
+    assert [s.advantage for s in by_default("reinforce_pp").samples] == pytest.approx(expect)
+    assert not by_default("reinforce_pp").filtered
+    assert by_default("rloo").filtered == by_default("grpo").filtered == {"b": "uniform"}
+    assert not by_default("grpo", filter_uniform_groups=False).filtered  # an explicit setting holds
+
+
+def test_one_advantage_plan_says_what_a_step_needs():
+    """The real and the simulated trainer read the same plan (asyncrl/algorithm/plan.py)."""
+    from asyncrl.algorithm.plan import AdvantagePlan
+    from asyncrl.config.schema import AlgorithmConfig, DistillConfig
+
+    ppo = AdvantagePlan.of(AlgorithmConfig(advantage="gae", loss=LossConfig(type="decoupled_ppo", kl_coef=0.1)))
+    assert ppo.needs_critic and ppo.per_token and ppo.needs_reference
+    # pi_prox is a pass of its own only with several updates (with one, the update's own pass gives it)
+    assert (ppo.needs_prox(1), ppo.needs_prox(2), ppo.forward_passes(1), ppo.forward_passes(2)) == (False, True, 1, 2)
+    assert ppo.sample_advantages([[1.0, 0.0], [2.0]]) == [[0.0, 0.0], [0.0]]  # per token, from the critic
+    teacher = DistillConfig(teacher_path="teacher", coef=0.5)
+    distill = AdvantagePlan.of(AlgorithmConfig(distill=teacher))
+    assert (distill.distill_coef, distill.per_token, distill.needs_critic) == (0.5, True, False)
+    assert AdvantagePlan.of(AlgorithmConfig(distill=DistillConfig(coef=0.5))).distill_coef == 0  # no teacher
+    grpo = AdvantagePlan.of(AlgorithmConfig())
+    assert not grpo.per_token and grpo.filter_uniform and grpo.forward_passes(4) == 0
+    # rewards 1, 0: mean 0.5, sample std sqrt(0.5) -> +-0.5 / (0.70711 + 1e-4); rloo: 1 - 0, 0 - 1
+    a = 0.5 / (0.5 ** 0.5 + 1e-4)
+    assert grpo.sample_advantages([[1.0, 0.0]]) == [pytest.approx([a, -a])]
+    assert AdvantagePlan("rloo").sample_advantages([[1.0, 0.0]]) == [[1.0, -1.0]]
+    assert not AdvantagePlan.of(AlgorithmConfig(advantage="reinforce_pp")).filter_uniform  # its batch counts them
 
 
 def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
@@ -274,7 +300,7 @@ def test_clipped_value_loss_by_hand():
 def test_distillation_adds_the_teachers_log_ratio_to_each_trained_token():
     # Group "a": rewards 1, 0 -> grpo advantages +-0.5 / (0.7071 + 1e-4); group "b": rewards 0, 0 (uniform:
     # kept, the teacher still says something). coef 0.5; bonus = 0.5 * (teacher - mu) on trained tokens.
-    from asyncrl.config.schema import LossConfig as Loss
+    from asyncrl.algorithm.plan import AdvantagePlan as Plan
     from asyncrl.trainer.batch import build_samples, pack
     from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
@@ -287,7 +313,7 @@ def test_distillation_adds_the_teachers_log_ratio_to_each_trained_token():
     groups = [TrajectoryGroup("a", "a", [traj("a", 1.0, [-1.0, -2.0], [-0.5, -2.5, 0.0], env_tokens=1),
                                          traj("a", 0.0, [-1.0], [-3.0])]),
               TrajectoryGroup("b", "b", [traj("b", 0.0, [-1.0], None), traj("b", 0.0, [-2.0], [-1.0])])]
-    step = build_samples(groups, Loss(), "grpo", distill_coef=0.5)
+    step = build_samples(groups, Plan(distill_coef=0.5))
     assert len(step.samples) == 4 and step.stats["trajectories_without_teacher"] == 1
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
     batch = pack(step.samples)

@@ -160,6 +160,7 @@ def test_sim_trainer_cost_and_lagged_versions():
                          "trainer.sim.logprob_per_token_s=0.002", "trainer.sim.optimizer_s=0"])
     lossy_rank = SimTrainerRank(TrainerSettings.of(lossy), 0, 1)
     assert lossy_rank.step_s(100, 2) == pytest.approx(100 * 0.012)  # + the proximal pass
+    assert lossy_rank.step_s(100, 1) == pytest.approx(100 * 0.01)  # one update: its own pass gives pi_prox
     rank.setup("", 0, "")
     assert [rank.stage_weights(v).version for v in (1, 2, 3)] == [0, 1, 2]  # one version behind
     assert rank.stage_weights(4, newest=True).version == 4

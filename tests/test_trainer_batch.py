@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.config.schema import LossConfig
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.trainer.batch import assign_weights, build_samples, micro_batches, pack, shard_for_data_parallel
 from asyncrl.types import Segment, Trajectory, TrajectoryGroup
 
@@ -24,12 +24,12 @@ def test_build_samples_advantages_filters_and_counts():
         TrajectoryGroup("b", "b", [traj("b", 1.0), traj("b", 1.0)]),  # uniform: filtered
         TrajectoryGroup("c", "c", [traj("c", 0.0), traj("c", 0.0, status="failed")]),  # 1 usable: no group
     ]
-    batch = build_samples(groups, LossConfig(filter_uniform_groups=True))
+    batch = build_samples(groups, AdvantagePlan(filter_uniform=True))
     s = batch.stats
     assert (s["groups"], s["groups_filtered_uniform"], s["groups_empty"], s["trajectories_failed"]) == (3, 1, 1, 2)
     # group a without its failed member: rewards 1, 0 -> mean 0.5, sample std 0.7071 -> A = +-0.5 / 0.7072
     assert [x.advantage for x in batch.samples] == pytest.approx([0.5 / 0.7072068, -0.5 / 0.7072068])
-    kept = build_samples(groups, LossConfig(filter_uniform_groups=False))
+    kept = build_samples(groups, AdvantagePlan(filter_uniform=False))
     assert kept.stats["samples"] == 4 and [x.advantage for x in kept.samples[2:]] == [0.0, 0.0]
 
 
@@ -38,17 +38,17 @@ def test_truncated_responses_count_in_the_group_but_can_be_left_untrained():
                                        traj("a", 0.0)])
     # rewards 1, 0, 0, 0: mean 0.25, sample std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
     # -> A = 0.75 / 0.5001 and -0.25 / 0.5001
-    masked = build_samples([group], LossConfig(mask_truncated=True))
+    masked = build_samples([group], AdvantagePlan(mask_truncated=True))
     assert [x.advantage for x in masked.samples] == pytest.approx([1.4997, -0.49990, -0.49990], abs=1e-4)
     assert (masked.stats["trajectories_truncated"], masked.stats["trajectories_masked_truncated"]) == (1, 1)
-    trained = build_samples([group], LossConfig())
+    trained = build_samples([group], AdvantagePlan())
     assert trained.stats["samples"] == 4 and trained.stats["trajectories_masked_truncated"] == 0
 
 
 def test_pack_keeps_tokens_and_masks_and_isolates_sequences():
     a = traj("a", 1.0, response=(7, 8))
     b = traj("a", 0.0, response=(5,), env=(60, 61))  # policy 5, tool 60 61, policy 9
-    samples = build_samples([TrajectoryGroup("a", "a", [a, b])], LossConfig()).samples
+    samples = build_samples([TrajectoryGroup("a", "a", [a, b])], AdvantagePlan()).samples
     assign_weights(samples, "token")
     p = pack(samples)
     assert p.input_ids.tolist() == [[1, 2, 3, 7, 8, 1, 2, 3, 5, 60, 61, 9]]
@@ -70,7 +70,7 @@ def test_pack_keeps_tokens_and_masks_and_isolates_sequences():
 
 def test_data_parallel_shards_cover_every_sample_once_balanced_by_tokens():
     samples = build_samples([TrajectoryGroup("g", "g", [traj("g", float(i % 2), response=tuple(range(1 + i)))
-                                                        for i in range(9)])], LossConfig()).samples
+                                                        for i in range(9)])], AdvantagePlan()).samples
     shards = [shard_for_data_parallel(samples, r, 3) for r in range(3)]
     assert sorted(id(s) for sh in shards for s in sh) == sorted(id(s) for s in samples)
     loads = [sum(len(s.tokens) for s in sh) for sh in shards]
@@ -82,7 +82,7 @@ def test_data_parallel_shards_cover_every_sample_once_balanced_by_tokens():
 def test_micro_batches_by_token_budget_first_fit_decreasing():
     samples = build_samples([TrajectoryGroup("g", "g", [traj("g", float(i % 2), prompt=(1,), response=(7,) * (n - 1))
                                                         for i, n in enumerate([5, 9, 2, 7, 3, 6, 15])])],
-                            LossConfig()).samples
+                            AdvantagePlan()).samples
 
     def lengths(mbs):
         return [[len(s.tokens) for s in mb] for mb in mbs]

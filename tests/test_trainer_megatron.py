@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.config.schema import LossConfig
 from asyncrl.run_config import load_config
 from tests.conftest import BASE_MODEL
@@ -192,7 +193,7 @@ def test_loss_gradient_equals_a_per_token_reference_on_hf(run_trainer, base_mode
         group.on_ranks(lambda r: r.embedding_grad.remote(groups, max_tokens=100)),
         group.on_ranks(lambda r: r.embedding_grad.remote(groups, logit_chunk=3 * vocab)),
         group.on_ranks(lambda r: r.embedding_grad.remote(groups, loss=gspo))])
-    samples = build_samples(groups, load_config([]).algorithm.loss).samples
+    samples = build_samples(groups, AdvantagePlan.of(load_config([]).algorithm)).samples
     assign_weights(samples, "token")
     hf.zero_grad()
     reference_loss_hf(hf, samples).backward()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.config.schema import LossConfig
 from asyncrl.trainer.batch import build_samples
 from asyncrl.trainer.settings import TrainerSettings
@@ -38,7 +39,7 @@ class ProbedTrainerRank(TrainerRank):
     def critic_values(self, groups: list) -> torch.Tensor:
         """The critic's value of every response token of these groups' samples, in packing order
         (algorithm.advantage=gae; this rank's share)."""
-        updates = self._packed_updates(build_samples(groups, self.cfg.algorithm.loss, "gae").samples)
+        updates = self._packed_updates(build_samples(groups, self.advantage_plan).samples)
         self.critic.prepare(updates)
         return torch.cat([b.values for update in updates for b in update])
 
@@ -50,20 +51,20 @@ class ProbedTrainerRank(TrainerRank):
         micro-batch / fp32 logits held at once by the loss / loss settings, for this call."""
         if self.tp_size > 1 or self.dp_size > 1:
             raise NotImplementedError("embedding_grad is for single-rank checks")
-        cfg, chunk = self.cfg, self.logit_chunk
+        settings, chunk = self.settings, self.logit_chunk
         if max_tokens is not None:
-            self.cfg = replace(cfg, trainer=replace(cfg.trainer, max_tokens_per_micro_batch=max_tokens))
+            self.settings = replace(settings, trainer=replace(settings.trainer, max_tokens_per_micro_batch=max_tokens))
         if loss is not None:
-            self.cfg = replace(self.cfg, algorithm=replace(self.cfg.algorithm, loss=loss))
+            self.settings = replace(self.settings, algorithm=replace(self.settings.algorithm, loss=loss))
         self.logit_chunk = logit_chunk or chunk
         try:
             return self._embedding_grad(groups)
         finally:
-            self.cfg, self.logit_chunk = cfg, chunk
+            self.settings, self.logit_chunk = settings, chunk
 
     def _embedding_grad(self, groups: list) -> tuple[torch.Tensor, list[int]]:
-        batches = [b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
-                   for b in update]
+        samples = build_samples(groups, AdvantagePlan.of(self.settings.algorithm)).samples  # its loss, for this call
+        batches = [b for update in self._packed_updates(samples) for b in update]
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -86,8 +87,8 @@ class ProbedTrainerRank(TrainerRank):
         hooks = [r.register_forward_hook(record) for c in self.model for r in moe_routing.routers(c)]
         out = []
         try:
-            for batch in (b for update in self._packed_updates(build_samples(groups, self.cfg.algorithm.loss).samples)
-                          for b in update):
+            samples = build_samples(groups, AdvantagePlan.of(self.settings.algorithm)).samples
+            for batch in (b for update in self._packed_updates(samples) for b in update):
                 self._run(self.model, [batch], forward_only=True)
                 layers = sorted(used)  # this rank's pipeline stage's MoE layers
                 out.append({"layers": layers, "used": torch.stack([used[i] for i in layers], dim=1),

@@ -2,9 +2,9 @@
 
 1) `build_samples`: each usable trajectory becomes a `TrainSample` (prompt + response
    token ids exactly as the engine produced them, behaviour logprobs mu, loss mask,
-   per-token versions) with its group-relative advantage (with `gae` the trainer computes
-   each token's from the critic's values later: the sample keeps its reward). On-policy
-   distillation adds coef x (teacher logprob - mu) to each trained token's advantage.
+   per-token versions) with its advantage as the step's `AdvantagePlan` says
+   (asyncrl/algorithm/plan.py; with `gae` the trainer computes each token's from the critic's
+   values later: the sample keeps its reward), and with a distillation teacher its per-token term.
    Failed trajectories, (optionally) groups whose rewards are all equal and
    (optionally) truncated responses are left out and counted.
 2) `assign_weights` gives each token its aggregation weight within one optimizer
@@ -27,15 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from asyncrl.algorithm.advantages import (
-    batch_normalized,
-    filters_uniform_groups,
-    group_advantages,
-    is_uniform,
-    rloo_advantages,
-)
+from asyncrl.algorithm.advantages import is_uniform
 from asyncrl.algorithm.losses import aggregation_weights
-from asyncrl.config.schema import LossConfig
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.types import TrajectoryGroup, TrajectoryStatus
 
 
@@ -67,60 +61,43 @@ class StepBatch:
     filtered: dict[str, str] = field(default_factory=dict)  # prompt id -> group_filter_reason
 
 
-def group_filter_reason(group: TrajectoryGroup, loss: LossConfig, per_token: bool = False,
-                        advantage: str = "grpo") -> str | None:
+def group_filter_reason(group: TrajectoryGroup, plan: AdvantagePlan) -> str | None:
     """Why a group gives no training signal ("no_usable", "uniform"), or None when it does. With a
-    signal per token (`per_token`: gae's values, a distillation teacher) every usable sample has
-    one: groups of equal rewards too."""
+    signal per token (gae's values, a distillation teacher) every usable sample has one: groups of
+    equal rewards too."""
     rewards = [t.reward for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
-    if len(rewards) < (1 if per_token else 2):
+    if len(rewards) < (1 if plan.per_token else 2):
         return "no_usable"
-    if filters_uniform_groups(loss.filter_uniform_groups, advantage) and not per_token and is_uniform(rewards):
+    if plan.filter_uniform and not plan.per_token and is_uniform(rewards):
         return "uniform"
     return None
 
 
-def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: str = "grpo",
-                  distill_coef: float = 0.0) -> StepBatch:
-    """The step's training samples, each with its advantage (`advantage`: algorithm.advantage;
-    `distill_coef`: algorithm.distill.coef with a teacher, else 0)."""
+def build_samples(groups: list[TrajectoryGroup], plan: AdvantagePlan) -> StepBatch:
+    """The step's training samples, each with its advantage as `plan` says."""
     samples: list[TrainSample] = []
     stats = {"groups": len(groups), "groups_filtered_uniform": 0, "groups_empty": 0,
              "trajectories": 0, "trajectories_failed": 0, "trajectories_truncated": 0,
              "trajectories_masked_truncated": 0, "trajectories_routes_incomplete": 0}
-    distill = _Distill(distill_coef, stats) if distill_coef else None
+    distill = _Distill(plan.distill_coef, stats) if plan.distill_coef else None
     rewards_all: list[float] = []
-    per_token = advantage == "gae" or bool(distill_coef)
-    filtered = {g.prompt_id: reason for g in groups
-                if (reason := group_filter_reason(g, loss, per_token, advantage)) is not None}
-    trained = [g for g in groups if g.prompt_id not in filtered]
-    # REINFORCE++ normalises over every sample the step trains on
-    batch = [t.reward for g in trained for t in g.trajectories if t.status is not TrajectoryStatus.FAILED]
-    batch_advantages = iter(batch_normalized(batch)) if advantage == "reinforce_pp" else None  # in that order
-    for group in groups:
-        usable = [t for t in group.trajectories if t.status is not TrajectoryStatus.FAILED]
+    reasons = [group_filter_reason(g, plan) for g in groups]
+    usable = [[t for t in g.trajectories if t.status is not TrajectoryStatus.FAILED] for g in groups]
+    trained = [i for i, reason in enumerate(reasons) if reason is None]
+    advantages = dict(zip(trained, plan.sample_advantages([[t.reward for t in usable[i]] for i in trained])))
+    for i, (group, kept, reason) in enumerate(zip(groups, usable, reasons)):
         stats["trajectories"] += len(group.trajectories)
-        stats["trajectories_failed"] += len(group.trajectories) - len(usable)
-        stats["trajectories_truncated"] += sum(t.status is TrajectoryStatus.TRUNCATED for t in usable)
-        rewards = [t.reward for t in usable]
-        rewards_all += rewards
-        reason = filtered.get(group.prompt_id)
+        stats["trajectories_failed"] += len(group.trajectories) - len(kept)
+        stats["trajectories_truncated"] += sum(t.status is TrajectoryStatus.TRUNCATED for t in kept)
+        rewards_all += [t.reward for t in kept]
         if reason is not None:
             stats["groups_empty" if reason == "no_usable" else "groups_filtered_uniform"] += 1
             continue
-        if advantage == "rloo":
-            advantages = rloo_advantages(rewards)
-        elif advantage == "reinforce_pp":
-            advantages = [next(batch_advantages) for _ in rewards]
-        elif advantage == "gae":
-            advantages = [0.0] * len(rewards)  # per token, by the trainer (the critic's values)
-        else:
-            advantages = group_advantages(rewards, loss.normalize_adv_std)
-        for traj, adv in zip(usable, advantages):
+        for traj, adv in zip(kept, advantages[i]):
             mask = traj.loss_mask
             if not traj.segments or not any(mask):
                 continue
-            if loss.mask_truncated and traj.status is TrajectoryStatus.TRUNCATED:
+            if plan.mask_truncated and traj.status is TrajectoryStatus.TRUNCATED:
                 stats["trajectories_masked_truncated"] += 1
                 continue
             tokens = list(traj.prompt_token_ids) + traj.response_token_ids
@@ -137,7 +114,7 @@ def build_samples(groups: list[TrajectoryGroup], loss: LossConfig, advantage: st
     if distill is not None:
         distill.finish()
     stats["reward_mean"] = sum(rewards_all) / len(rewards_all) if rewards_all else 0.0
-    return StepBatch(samples, stats, filtered)
+    return StepBatch(samples, stats, {g.prompt_id: r for g, r in zip(groups, reasons) if r is not None})
 
 
 class _Distill:

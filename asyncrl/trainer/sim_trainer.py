@@ -20,7 +20,7 @@ import collections
 import json
 from pathlib import Path
 
-from asyncrl.algorithm.losses import NEEDS_PROX
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.clock import Clock
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.trainer.batch import TrainSample, build_samples
@@ -28,13 +28,6 @@ from asyncrl.trainer.policy_lag import PolicyLag
 from asyncrl.trainer.safe_checkpoint import CheckpointRefused, read_checkpoint_json
 from asyncrl.trainer.settings import TrainerSettings
 from asyncrl.types import staleness
-
-
-def forward_passes(cfg: TrainerSettings) -> int:
-    """Forward-only passes a step adds per token: the proximal policy's (decoupled_ppo or icepop
-    with several updates per step) and the reference's (kl_coef > 0)."""
-    lc = cfg.algorithm.loss
-    return int(lc.type in NEEDS_PROX and cfg.trainer.mini_batches_per_step > 1) + int(lc.kl_coef > 0)
 
 
 def staleness_metrics(samples: list[TrainSample], policy_version: int, max_staleness: int) -> dict[str, float]:
@@ -49,11 +42,12 @@ def staleness_metrics(samples: list[TrainSample], policy_version: int, max_stale
 
 class SimTrainerRank:
     def __init__(self, settings: TrainerSettings, rank: int, world_size: int):
-        self.cfg = cfg = settings
-        self.sim = cfg.trainer.sim
-        self.clock = Clock(cfg.time_scale)
+        self.settings = settings
+        self.advantage_plan = AdvantagePlan.of(settings.algorithm)  # the real trainer's: the same passes
+        self.sim = settings.trainer.sim
+        self.clock = Clock(settings.time_scale)
         self.step = 0
-        self._lag = PolicyLag(cfg.algorithm.policy_lag)  # staged versions: no weights to keep
+        self._lag = PolicyLag(settings.algorithm.policy_lag)  # staged versions: no weights to keep
 
     def node_id(self) -> str:
         return ""
@@ -63,30 +57,29 @@ class SimTrainerRank:
 
     def setup(self, master_addr: str, master_port: int, secret: str) -> TrainerSetupInfo:
         self.clock.sleep(self.sim.setup_s)
-        if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
+        if self.settings.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
             self._lag.stage(0, None)
-        t = self.cfg.trainer
+        t = self.settings.trainer
         return TrainerSetupInfo(setup_s=self.sim.setup_s, params_this_rank=0, transformer_engine=False,
                                 tp=t.tensor_parallel_size, pp=t.pipeline_parallel_size, dp=t.data_parallel_size,
                                 weight_bytes=self.sim.weight_bytes, weight_buckets=0, cpu_cores=[])
 
     def step_s(self, tokens: int, updates: int) -> float:
         """Simulated seconds of one step over `tokens` with `updates` optimizer updates."""
-        s, dp = self.sim, self.cfg.trainer.data_parallel_size
-        per_token = s.train_per_token_s + forward_passes(self.cfg) * s.logprob_per_token_s
+        s, dp = self.sim, self.settings.trainer.data_parallel_size
+        per_token = s.train_per_token_s + self.advantage_plan.forward_passes(updates) * s.logprob_per_token_s
         return tokens * per_token / dp + updates * s.optimizer_s
 
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         t0 = self.clock.now()
-        a = self.cfg.algorithm
-        batch = build_samples(groups, a.loss, a.advantage, a.distill.coef if a.distill.teacher_path else 0.0)
-        prompt, block = self.cfg.sim_engine.prompt_tokens, self.cfg.sim_engine.token_block
+        batch = build_samples(groups, self.advantage_plan)
+        prompt, block = self.settings.sim_engine.prompt_tokens, self.settings.sim_engine.token_block
         tokens = sum((prompt or s.prompt_len) + s.num_response * block for s in batch.samples)
         trained = sum(sum(s.mask) for s in batch.samples)
-        updates = min(self.cfg.trainer.mini_batches_per_step, len(batch.samples))
+        updates = min(self.settings.trainer.mini_batches_per_step, len(batch.samples))
         self.clock.sleep(self.step_s(round(tokens * self.sim.trained_share), updates))
         self.step += 1
-        metrics = {**staleness_metrics(batch.samples, policy_version, self.cfg.algorithm.max_staleness),
+        metrics = {**staleness_metrics(batch.samples, policy_version, self.settings.algorithm.max_staleness),
                    **{f"batch/{k}": v for k, v in batch.stats.items()},
                    "train/tokens": float(trained), "train/step_s": self.clock.now() - t0, "train/step": self.step}
         return TrainStepResult(metrics, staleness_max=round(metrics["train/staleness_max"]), tokens=trained,

@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithm.losses import NEEDS_PROX, LossOutput, policy_loss
+from asyncrl.algorithm.losses import LossOutput, policy_loss
+from asyncrl.algorithm.plan import AdvantagePlan
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.messages import StagedWeights, TrainerSetupInfo, TrainStepResult
 from asyncrl.sync.collective import (
@@ -77,10 +78,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class TrainerRank:
     def __init__(self, settings: TrainerSettings, rank: int, world_size: int):
-        self.cfg = cfg = settings  # the run's model, trainer and algorithm sections, and a few values
+        self.settings = settings  # the run's model, trainer and algorithm sections, and a few values
+        self.advantage_plan = AdvantagePlan.of(settings.algorithm)
         self.rank = rank
         self.world_size = world_size
-        self.on_cpu = cfg.device == "cpu"
+        self.on_cpu = settings.device == "cpu"
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.float32 if self.on_cpu else torch.bfloat16
         self.step = 0
@@ -93,9 +95,9 @@ class TrainerRank:
         self._shared: SharedBucketsWriter | None = None
         # Rank 0, with algorithm.policy_lag: the packed weights of the last versions staged, oldest
         # first, as (version, buckets, checksums); a sync sends the one policy_lag versions back.
-        self._lag = PolicyLag(cfg.algorithm.policy_lag)
+        self._lag = PolicyLag(settings.algorithm.policy_lag)
         # trainer.lora: adapters on the frozen base; weight syncs and exports carry the adapters
-        self.lora = cfg.trainer.lora if cfg.trainer.lora.rank else None
+        self.lora = settings.trainer.lora if settings.trainer.lora.rank else None
         self.logit_chunk = LOGIT_CHUNK_ELEMENTS  # fp32 logits the loss holds at once (token_logprobs)
         self.skipped_updates = 0  # optimizer updates skipped for a non-finite gradient (_update)
 
@@ -123,7 +125,7 @@ class TrainerRank:
         every key sealed with `secret`, this formation's), build the model from the HF checkpoint,
         the optimizer and schedule."""
         t0 = time.monotonic()
-        t = self.cfg.trainer
+        t = self.settings.trainer
         # megatron-core warns about optional extras (Apex, TE, deprecated defaults) at every
         # model build, on every rank: noise in a run's console, not actionable by users.
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -154,16 +156,16 @@ class TrainerRank:
                                       pipeline_model_parallel_size=t.pipeline_parallel_size,
                                       expert_model_parallel_size=t.expert_parallel_size)
         if self.on_cpu:
-            seed_cpu_model_parallel_rng(self.cfg.seed, mpu.get_tensor_model_parallel_rank(),
+            seed_cpu_model_parallel_rng(self.settings.seed, mpu.get_tensor_model_parallel_rank(),
                                         mpu.get_expert_model_parallel_rank())
         else:
-            tensor_parallel.model_parallel_cuda_manual_seed(self.cfg.seed)
+            tensor_parallel.model_parallel_cuda_manual_seed(self.settings.seed)
         self.use_te = not self.on_cpu and transformer_engine_available()
         self.tp_size, self.dp_size = mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size()
         self.dp_rank = mpu.get_data_parallel_rank()
 
-        path = self.cfg.model.path
-        self.replay_routes = self.cfg.algorithm.routing_replay == "r3"
+        path = self.settings.model.path
+        self.replay_routes = self.settings.algorithm.routing_replay == "r3"
         self.bridge = load_bridge(path, self.dtype, use_te=self.use_te, cpu=self.on_cpu,
                                   routing_replay=self.replay_routes, recompute=t.recompute)
         # Sequence parallelism splits each packed row across the tensor-parallel ranks.
@@ -177,19 +179,19 @@ class TrainerRank:
         self.router_stats = (moe_routing.RouterStats(self.model, mc.num_layers, mc.num_moe_experts, mc.moe_router_topk)
                              if mc.num_moe_experts else None)
         self.ref_model = None
-        if self.cfg.algorithm.loss.kl_coef > 0:
+        if self.advantage_plan.needs_reference:
             self.ref_model = self._load_model(build_gpt_model, path)
             for p in self.ref_model[0].parameters():
                 p.requires_grad_(False)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.critic = None  # algorithm.advantage=gae: the value model, trained beside the policy
-        if self.cfg.algorithm.advantage == "gae":
+        if self.advantage_plan.needs_critic:
             from asyncrl.trainer.critic import Critic
 
-            self.critic = Critic(self.cfg, self.device, self.dtype, self.use_te)
+            self.critic = Critic(self.settings, self.device, self.dtype, self.use_te)
         self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
                                      int(t.weight_sync_in_place_mb * 2**20))
-        if self.cfg.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
+        if self.settings.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
             self.stage_weights(0)
             self._staged = None
         n_params = sum(p.numel() for p in self.model[0].parameters())
@@ -206,7 +208,7 @@ class TrainerRank:
         self.bridge.load_weights(chunks, path)
         if adapters and self.lora:  # before DDP and the optimizer: they take the trainable parameters
             for c in chunks:
-                lora.apply_lora(c, self.lora, self.cfg.seed)
+                lora.apply_lora(c, self.lora, self.settings.seed)
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
 
@@ -216,7 +218,7 @@ class TrainerRank:
     def _build_optimizer(self):
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        t = self.cfg.trainer
+        t = self.settings.trainer
         optimizer = adam(self.model, t, self.dtype, t.lr)
         updates = t.total_steps * t.mini_batches_per_step
         warmup = t.warmup_steps * t.mini_batches_per_step
@@ -231,9 +233,7 @@ class TrainerRank:
     def train_step(self, groups: list, policy_version: int) -> TrainStepResult:
         """One trainer step on these trajectory groups (every rank gets the same list)."""
         t0, cpu0 = time.monotonic(), time.process_time()
-        a = self.cfg.algorithm
-        lc = a.loss
-        step = build_samples(groups, lc, a.advantage, a.distill.coef if a.distill.teacher_path else 0.0)
+        step = build_samples(groups, self.advantage_plan)
         # floats, or 0-d tensors on the device (the loss's statistics), read once at the end of the step
         stats: dict[str, float | torch.Tensor] = {}
         maxima: dict[str, float | torch.Tensor] = {}
@@ -244,9 +244,7 @@ class TrainerRank:
         updates = self._packed_updates(step.samples)
         if self.router_stats is not None:
             self.router_stats.reset()
-        # pi_prox is the policy before this step's first update. With one update the forward
-        # pass that computes pi_theta gives it; with several it is computed up front.
-        need_prox = lc.type in NEEDS_PROX and len(updates) > 1
+        need_prox = self.advantage_plan.needs_prox(len(updates))  # with several updates: computed up front
         for batches in updates:
             for b in batches:
                 b.prox = self._logprobs(self.model, b) if need_prox else None
@@ -267,7 +265,7 @@ class TrainerRank:
                 stale = staleness(policy_version, b.versions[trained]).float()
                 stats["staleness"] = stats.get("staleness", 0.0) + float(stale.sum())
                 maxima["staleness"] = max(maxima.get("staleness", 0.0), float(stale.max()) if stale.numel() else 0.0)
-                for s in range(self.cfg.algorithm.max_staleness + 1):  # the same names on every rank
+                for s in range(self.settings.algorithm.max_staleness + 1):  # the same names on every rank
                     stats[f"staleness_share_{s}"] = stats.get(f"staleness_share_{s}", 0.0) + float((stale == s).sum())
         if self.critic is not None:  # after the policy's updates: they read the values the step started with
             critic_metrics.update(self.critic.train(updates))
@@ -293,13 +291,13 @@ class TrainerRank:
 
     def _packed_updates(self, samples: list) -> list[list[PackedBatch]]:
         """Per optimizer update: its aggregation weights, this rank's share, packed micro-batches."""
-        k, aggregation = self.cfg.trainer.mini_batches_per_step, self.cfg.algorithm.loss.aggregation
+        k, aggregation = self.settings.trainer.mini_batches_per_step, self.settings.algorithm.loss.aggregation
         updates = []
         for mini in (samples[i::k] for i in range(k)):
             if mini:
                 assign_weights(mini, aggregation)
                 mine = shard_for_data_parallel(mini, self.dp_rank, self.dp_size)
-                t = self.cfg.trainer
+                t = self.settings.trainer
                 updates.append([pack(mb, self.pack_multiple)
                                 for mb in micro_batches(mine, t.max_tokens_per_micro_batch, t.micro_batch_size)])
         return updates
@@ -374,13 +372,13 @@ class TrainerRank:
     def _loss(self, batch: PackedBatch, forward_only: bool, num_micro: int, logits: torch.Tensor):
         # The rows that predict response tokens, at the sampling temperature (the engines report
         # logprobs of the temperature-scaled distribution they sample from), in fp32 a chunk at a time.
-        logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.cfg.temperature,
+        logp, entropy = token_logprobs(logits[0], batch.logit_index, batch.targets, self.settings.temperature,
                                        with_entropy=not forward_only, chunk_elements=self.logit_chunk)
         if forward_only:
             return torch.zeros((), device=logp.device), logp.detach().cpu()
         prox = batch.prox.to(self.device) if batch.prox is not None else logp.detach()
         ref = batch.ref.to(self.device) if batch.ref is not None else None
-        out = policy_loss(logp, batch.mu, batch.advantages, batch.mask, batch.weights, self.cfg.algorithm.loss,
+        out = policy_loss(logp, batch.mu, batch.advantages, batch.mask, batch.weights, self.settings.algorithm.loss,
                           prox=prox, ref_logp=ref, entropy=entropy, seq_index=batch.seq_index)
         # Our weights already average over the whole mini-batch of all data-parallel ranks;
         # megatron divides each micro-batch loss by their number and DDP averages over ranks.
@@ -427,7 +425,7 @@ class TrainerRank:
         return self.plan.to_wire()
 
     def adapter_config(self) -> dict | None:
-        return lora.peft_config(self.lora, self.cfg.model.path) if self.lora else None
+        return lora.peft_config(self.lora, self.settings.model.path) if self.lora else None
 
     def weight_group_address(self, member_nodes: list[str]) -> tuple[str, int]:
         """Rank 0: bind the weight-broadcast group's store socket, kept for `init_weight_group`:
@@ -449,7 +447,7 @@ class TrainerRank:
             self._close_shared()  # this formation broadcasts
             sock, self._store_socket = self._store_socket, None
             self._weight_group = create_group(host, port, 0, world_size, backend, secret,
-                                              self.cfg.trainer.dist_timeout_s, listen_socket=sock)
+                                              self.settings.trainer.dist_timeout_s, listen_socket=sock)
 
     def weight_sync_place(self) -> dict:
         """Where this rank runs, for the choice of transport (asyncrl.sync.shared_buckets.choose_transport)."""
@@ -500,7 +498,7 @@ class TrainerRank:
 
         # Without a lag the buckets go straight into the shared region, if any (no engine reads it
         # now: the previous sync has returned); with one, the kept versions need memory of their own.
-        out = self._shared.buffers() if self._shared is not None and not self.cfg.algorithm.policy_lag else None
+        out = self._shared.buffers() if self._shared is not None and not self.settings.algorithm.policy_lag else None
         buckets = pack_buckets(self.plan, tensors(), self.device, out)
         checksums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))
         staged_version, (self._staged, staged_checksums) = self._lag.stage(version, (buckets, checksums), newest)
@@ -530,11 +528,11 @@ class TrainerRank:
             tensors = {name: t.cpu().clone() for name, t in self._export()}  # q, k, v share A: own copies
             if self.rank == 0:
                 lora.save_peft_adapter(Path(out_dir) / "adapter", tensors,
-                                       lora.peft_config(self.lora, self.cfg.model.path))
+                                       lora.peft_config(self.lora, self.settings.model.path))
         else:
             self.bridge.save_weights([m.module for m in self.model], out_dir)
         if self.rank == 0:
-            src = Path(self.cfg.model.tokenizer_path or self.cfg.model.path)
+            src = Path(self.settings.model.tokenizer_path or self.settings.model.path)
             for name in TOKENIZER_FILES:
                 if (src / name).exists():
                     shutil.copy(src / name, Path(out_dir) / name)
