@@ -28,6 +28,7 @@ ACTORS = {
     "asyncrl.trainer": (),
     "asyncrl.queue": (),
     "asyncrl.reward": (),
+    "asyncrl.run_control": (),  # the run's mailbox and the `asyncrl scale` / `asyncrl stop` that write to it
     "asyncrl.agents": AGENT_LOOPS,
     "asyncrl.rollout": ("asyncrl.agents", *AGENT_LOOPS),
 }
@@ -94,6 +95,7 @@ def test_the_checker_sees_a_crossing():
     assert not allowed("asyncrl.config.validate", "agent_loops")
     assert not allowed("agent_loops.base", "asyncrl.rollout.router")
     assert not allowed("asyncrl.engine.engine_actor", "asyncrl.actors")
+    assert not allowed("asyncrl.run_control", "asyncrl.actors")  # the mailbox builds no actor
     assert allowed("asyncrl.rollout.worker", "asyncrl.agents.api")
     assert allowed("asyncrl.driver", "asyncrl.actors")
     assert allowed("asyncrl.control.engine_pool", "asyncrl.actors")

@@ -39,7 +39,8 @@ def test_a_packed_row_trains_without_a_square_tensor_and_recompute_gives_the_sam
     assert done.returncode == 0, done.stderr[-3000:]
     steps = {s["recompute"]: s for s in json.loads(done.stdout.strip().splitlines()[-1])}
     for mode, step in steps.items():
-        assert step["row"] == 2048 and step["square_numel"] == 0, (mode, step["square_op"])
+        # the trainer packed all 8 trajectories into one row of 2,048 (what the watch looks for)
+        assert step["rows"] == [2048] and step["square_numel"] == 0, (mode, step["rows"], step["square_op"])
     plain = steps["none"]
     for mode in ("selective", "full"):
         assert steps[mode]["loss"] == plain["loss"] and steps[mode]["grad_norm"] == plain["grad_norm"]

@@ -1,6 +1,7 @@
 """One train step of a random tiny Qwen3 (asyncrl/bench/trainer.py) per recompute setting, in
 this process, for tests/test_trainer_scale.py: prints one JSON line, a list with each step's loss
-and gradient norm, a digest of the weights after it, and the largest tensor made during the step
+and gradient norm, the lengths of the packed rows it trained, a digest of the weights after it, and
+the largest tensor made during the step
 that has two dimensions at least as long as the packed row (an [L, L] attention mask or scores), and
 how many times each op ran.
 
@@ -59,6 +60,15 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
         port = s.getsockname()[1]
     rank.setup("127.0.0.1", port, new_group_secret())  # rank 0 of 1 binds its world's store itself
     groups = synthetic_groups(1, n, seq_len, SHAPES["tiny"]["vocab_size"])
+    rows = []  # the packed rows the step trained, as the trainer built them
+    packed = rank._packed_updates
+
+    def recorded(samples):
+        updates = packed(samples)
+        rows.extend(b.input_ids.shape[-1] for update in updates for b in update)
+        return updates
+
+    rank._packed_updates = recorded
     watch = SquareWatch(row)
     with watch:
         metrics = rank.train_step(groups, 0).metrics
@@ -66,7 +76,7 @@ def step(path: str, recompute: str, seq_len: int, n: int) -> dict:
     rank.shutdown()
     mpu.destroy_model_parallel()  # the next step builds its model from scratch in this process
     return {"recompute": recompute, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
-            "row": row, "square_numel": watch.largest, "square_op": watch.op, "weights": digest, "calls": watch.calls}
+            "rows": rows, "square_numel": watch.largest, "square_op": watch.op, "weights": digest, "calls": watch.calls}
 
 
 def main() -> None:
