@@ -309,7 +309,7 @@ def test_the_trainer_benchs_flop_formula_by_hand():
     (norms aside) plus the output layer; causal attention adds PaLM's 12 L H Q T halved (a token
     attends to half the row on average)."""
     from asyncrl.bench.config import SHAPES
-    from asyncrl.bench.trainer import flops_per_token
+    from asyncrl.bench.trainer import flops_per_token, rated_peak
 
     shape = SHAPES["qwen3_0.6b"]
     attention = 1024 * 128 * (16 * 2 + 8 * 2)  # q and o: 16 heads of 128; k and v: 8
@@ -317,3 +317,6 @@ def test_the_trainer_benchs_flop_formula_by_hand():
     assert non_embedding == 440_401_920  # "Number of Parameters (Non-Embedding): 0.44B"
     matmul = non_embedding + 1024 * 151_936  # the output layer: tied to the embedding, a matmul all the same
     assert flops_per_token(shape, 4096) == 6 * matmul + 6 * 28 * 16 * 128 * 4096 == 4_985_192_448
+    # MFU against the datasheet's dense bf16 peak too (torch's names; the PCIe H100's before the SXM one's)
+    names = ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA RTX 4090")
+    assert [rated_peak(n)[0] for n in names] == [989, 989, 756, 312, None]

@@ -1,4 +1,5 @@
-"""`asyncrl bench trainer`: the trainer alone at a model size, against the device's own matmul peak.
+"""`asyncrl bench trainer`: the trainer alone at a model size, against the device's own matmul peak
+and its rated one.
 
     asyncrl bench trainer recipe=arith bench.model_shape=tiny bench.seq_len=1024
     asyncrl bench trainer recipe=arith trainer=megatron_gpu cluster.device=cuda \
@@ -15,9 +16,12 @@ trajectories of `bench.seq_len` tokens (prompt 1/8, response 7/8) with the proje
                      token, plus causal attention 6 x layers x (heads x head_dim) x seq_len per token
                      (QK^T and AV, 2 FLOPs a multiply-add, x3 for forward and backward, a token
                      attending to seq_len / 2 positions on average)
-    peak_tflops      a plain matmul on the same device in the same run (bf16 8192^3 on CUDA, fp32
-                     2048^3 on CPU): the baseline, not a spec sheet
-    mfu              model_tflops / peak_tflops
+    measured_peak_tflops  a plain matmul on the same device in the same run (bf16 8192^3 on CUDA,
+                     fp32 2048^3 on CPU): the baseline this machine reaches
+    mfu_measured_peak     model_tflops / measured_peak_tflops
+    rated_peak_tflops     the device's rated dense bf16 peak from its datasheet (RATED_BF16_DENSE;
+                     rated_peak_source names it; null for a device not listed, and on CPU)
+    mfu_rated_peak        model_tflops / rated_peak_tflops: the figure peers publish as MFU
     peak_memory_gb   CUDA: max allocated by torch; CPU: the process's peak RSS
     host_share       CUDA: the share of a step in which the GPU ran no kernel (host work, launches,
                      synchronisations): 1 - (kernel time of a profiled step) / (median unprofiled
@@ -88,6 +92,26 @@ def flops_per_token(shape: dict[str, Any], seq_len: int) -> float:
     attn_params = h * d * (shape["num_attention_heads"] * 2 + shape["num_key_value_heads"] * 2)  # q, o, k, v
     matmul_params = layers * (attn_params + 3 * h * f) + h * shape["vocab_size"]
     return 6.0 * matmul_params + 6.0 * layers * shape["num_attention_heads"] * d * seq_len
+
+
+# Rated dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, by a marker in torch's device name; the
+# first marker found wins (PCIe and NVL before the SXM H100).
+RATED_BF16_DENSE: tuple[tuple[str, float, str], ...] = (
+    ("H100 PCIe", 756.0, "NVIDIA H100 datasheet, PCIe: 1,513 TFLOPS bf16 with sparsity, 756 dense"),
+    ("H100 NVL", 835.0, "NVIDIA H100 datasheet, NVL: 1,671 TFLOPS bf16 with sparsity, 835 dense"),
+    ("H100", 989.0, "NVIDIA H100 datasheet, SXM: 1,979 TFLOPS bf16 with sparsity, 989 dense"),
+    ("H200", 989.0, "NVIDIA H200 datasheet: 1,979 TFLOPS bf16 with sparsity, 989 dense"),
+    ("A100", 312.0, "NVIDIA A100 datasheet: 624 TFLOPS bf16 with sparsity, 312 dense"),
+    ("L40S", 362.0, "NVIDIA L40S datasheet: 733 TFLOPS bf16 with sparsity, 362 dense"),
+)
+
+
+def rated_peak(device_name: str) -> tuple[float | None, str]:
+    """The device's rated dense bf16 peak (TFLOP/s) and where the figure comes from."""
+    for marker, tflops, source in RATED_BF16_DENSE:
+        if marker in device_name:
+            return tflops, source
+    return None, f"no rated bf16 figure listed for {device_name!r} (asyncrl/bench/trainer.py RATED_BF16_DENSE)"
 
 
 def matmul_peak_tflops(device: torch.device) -> float:
@@ -184,6 +208,7 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     tokens_per_s = tokens_per_step / step_s
     tflops = tokens_per_s * flops_per_token(shape, bench.seq_len) / 1e12
     peak = matmul_peak_tflops(device)
+    rated, rated_source = rated_peak(_device_name(device)) if device.type == "cuda" else (None, "none for CPUs")
     from asyncrl.trainer.attention import varlen_kernel
 
     return {
@@ -194,8 +219,11 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
         "attention": ("transformer_engine" if info.transformer_engine
                       else varlen_kernel() if device.type == "cuda" else "sdpa"),
         "params": info.params_this_rank, "step_s": [round(s, 3) for s in steps],
-        "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 2), "peak_tflops": round(peak, 2),
-        "mfu": round(tflops / peak, 4), "peak_memory_gb": round(peak_mem / 2**30, 2),
+        "tokens_per_s": round(tokens_per_s, 1), "model_tflops": round(tflops, 2),
+        "measured_peak_tflops": round(peak, 2), "mfu_measured_peak": round(tflops / peak, 4),
+        "rated_peak_tflops": rated, "rated_peak_source": rated_source,
+        "mfu_rated_peak": None if rated is None else round(tflops / rated, 4),
+        "peak_memory_gb": round(peak_mem / 2**30, 2),
         "host_share": None if host_share is None else round(host_share, 4), "host_top_ms": host_top,
         "staging_gb_per_s": round(info.weight_bytes / min(staging) / 1e9, 2),
         "weight_gb": round(info.weight_bytes / 1e9, 3),
