@@ -20,7 +20,7 @@ from process_census import read_processes  # noqa: E402 (beside this script, not
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """pid -> (process title, user + system CPU seconds so far)."""
-    return {pid: (" ".join(cmdline)[:60], cpu) for (pid, _), (cmdline, _, cpu) in read_processes().items()}
+    return {pid: (" ".join(cmdline)[:60], cpu) for (pid, _), (cmdline, cpu) in read_processes().items()}
 
 
 def main() -> None:

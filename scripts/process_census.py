@@ -36,8 +36,8 @@ def kind(cmdline: list[str]) -> str:
     return "python " + os.path.basename(cmdline[1]) if program.startswith("python") and len(cmdline) > 1 else program
 
 
-def read_processes() -> dict[tuple[int, int], tuple[list[str], str, float]]:
-    """(pid, start tick) -> (command line, kernel name, user + system CPU seconds so far) of every
+def read_processes() -> dict[tuple[int, int], tuple[list[str], float]]:
+    """(pid, start tick) -> (command line, user + system CPU seconds so far) of every
     process but kernel threads (a pid may be reused within a run; its start tick tells them apart)."""
     out = {}
     for entry in os.scandir("/proc"):
@@ -50,14 +50,14 @@ def read_processes() -> dict[tuple[int, int], tuple[list[str], str, float]]:
                 cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:  # gone between the listing and the read
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
         if cmdline:
-            out[(int(entry.name), int(fields[19]))] = (cmdline, name, (int(fields[11]) + int(fields[12])) / TICKS)
+            out[(int(entry.name), int(fields[19]))] = (cmdline, (int(fields[11]) + int(fields[12])) / TICKS)
     return out
 
 
 def snapshot() -> dict[tuple[int, int], tuple[str, float]]:
-    return {key: (kind(cmdline), cpu) for key, (cmdline, _, cpu) in read_processes().items()}
+    return {key: (kind(cmdline), cpu) for key, (cmdline, cpu) in read_processes().items()}
 
 
 def main(out: str) -> None:

@@ -208,11 +208,12 @@ def run_trainer_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     tokens_per_s = tokens_per_step / step_s
     tflops = tokens_per_s * flops_per_token(shape, bench.seq_len) / 1e12
     peak = matmul_peak_tflops(device)
-    rated, rated_source = rated_peak(_device_name(device)) if device.type == "cuda" else (None, "none for CPUs")
+    name = _device_name(device)
+    rated, rated_source = rated_peak(name) if device.type == "cuda" else (None, "none for CPUs")
     from asyncrl.trainer.attention import varlen_kernel
 
     return {
-        "bench": "trainer", "model_shape": bench.model_shape, "device": _device_name(device),
+        "bench": "trainer", "model_shape": bench.model_shape, "device": name,
         "dtype": str(rank.dtype).removeprefix("torch."), "seq_len": bench.seq_len,
         "trajectories": bench.train_groups * bench.n_samples, "tokens_per_step": tokens_per_step,
         "max_tokens_per_micro_batch": cfg.trainer.max_tokens_per_micro_batch, "recompute": cfg.trainer.recompute,
