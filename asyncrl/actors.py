@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,12 @@ from asyncrl.config.models import checkpoint_model_type
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
 from asyncrl.engine.engine_actor import EngineActor
 from asyncrl.engine.pause import engines_stream
+from asyncrl.engine.reward_model import RewardModelActor, RewardModelSettings
 from asyncrl.engine.sim_engine import SimEngine
-from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle
+from asyncrl.interfaces import EngineHandle, QueueHandle, ServiceHandle
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue
-from asyncrl.reward.reward_model import RewardModelActor, RewardModelSettings
+from asyncrl.reward.services import ENGINE, Served, served
 from asyncrl.rollout.admission import StalenessController
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.run_control import RunControl
@@ -68,9 +70,7 @@ class Placement:
     engine: list[Options] = field(default_factory=list)
     trainer: list[Options] = field(default_factory=list)
     worker: list[Options] = field(default_factory=list)
-    reward_model: list[Options] = field(default_factory=list)
-    judge: list[Options] = field(default_factory=list)
-    teacher: list[Options] = field(default_factory=list)
+    services: dict[str, list[Options]] = field(default_factory=dict)  # each served model's (asyncrl/reward/services.py)
     group: Any = None  # the placement group, removed by `remove_placement`
     names: list[str] = field(default_factory=list)  # each bundle's actor, as the dashboard names it
 
@@ -151,16 +151,14 @@ def engine_resources(cfg: Config) -> dict[str, float]:
 
 def _roles(cfg: Config, engines: int | None = None) -> list[tuple[str, dict[str, float]]]:
     """Each bundle of the run's placement group, with its role: the engines', the trainer ranks',
-    the rollout workers', the reward model's replicas', the judge's and the teacher's engines'."""
+    the rollout workers', then each served model's replicas' (by its name)."""
     gpu = {"GPU": 1} if cfg.cluster.device == "cuda" else {}
-    t, m = cfg.trainer, cfg.reward.model
-    served = [(name, {"CPU": cpus, **gpu}, n if path else 0) for name, (path, n, cpus) in _service_engines(cfg).items()]
+    t = cfg.trainer
     return ([("engine", engine_resources(cfg))] * (cfg.engine.num_engines if engines is None else engines)
             + [("trainer", {"CPU": t.num_cpus_per_rank, **t.resources, **gpu})] * trainer_world_size(cfg)
             + [("worker", {"CPU": cfg.rollout.num_cpus_per_worker, **cfg.rollout.resources})]
             * cfg.rollout.num_workers
-            + [("reward_model", {"CPU": m.num_cpus_per_actor, **gpu})] * (m.num_actors if m.path else 0)
-            + [(name, bundle) for name, bundle, n in served for _ in range(n)])
+            + [(s.name, {"CPU": s.cpus, **gpu}) for s in served(cfg) for _ in range(s.replicas)])
 
 
 def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float]:
@@ -173,8 +171,8 @@ def resources_needed(cfg: Config, engines: int | None = None) -> dict[str, float
 
 
 def place(cfg: Config, timeout_s: float = 120) -> Placement:
-    """One placement group (PACK): a bundle per engine, trainer rank, rollout worker, reward model
-    replica, judge engine and teacher engine.
+    """One placement group (PACK): a bundle per engine, trainer rank, rollout worker and replica of
+    each served model.
     Raises PlacementError when the cluster lacks the resources, naming what to lower."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -187,16 +185,18 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
         raise PlacementError("not enough cluster resources for this config: " + ", ".join(
             f"{k} needs {v:g}, cluster has {h:g}" for k, (v, h) in short.items())
             + " (lower engine.num_cpus_per_engine, trainer.num_cpus_per_rank, rollout.num_cpus_per_worker, "
-              "reward.model.num_cpus_per_actor, reward.judge.num_cpus_per_engine, "
-              "algorithm.distill.num_cpus_per_engine, or the number of engines / workers / ranks; custom resources "
+            + "".join(f"{s.spec.section}.{'num_cpus_per_engine' if s.spec.kind == ENGINE else 'num_cpus_per_actor'}, "
+                      for s in served(cfg))
+            + "or the number of engines / workers / ranks; custom resources "
               "of engine/trainer/rollout.resources come from the nodes' `ray start --resources`)")
     pg = placement_group([b for _, b in roles], strategy="PACK", name="asyncrl")
     ray.get(pg.ready(), timeout=timeout_s)
     placement = Placement(group=pg)
     for i, (role, _) in enumerate(roles):
-        slots = getattr(placement, role)
-        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank",
-                                      "reward_model": "reward-model"}.get(role, role), len(slots), 0))
+        slots = getattr(placement, role) if role in ("engine", "trainer", "worker") \
+            else placement.services.setdefault(role, [])
+        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(role, role),
+                                     len(slots), 0))
         slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement
@@ -305,79 +305,49 @@ def rollout_worker_options(cfg: Config, worker_id: int, restart: int = 0) -> Opt
 
 def create_rollout_workers(cfg: Config, engines: list[EngineHandle | None], queue: QueueHandle | None,
                            slots: list[Options] | None = None, sampling: SamplingSpec | None = None,
-                           restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
-                           judges: list[EngineHandle] | None = None,
-                           teachers: list[EngineHandle] | None = None) -> list[RolloutWorkerHandle]:
+                           restart: int = 0, services: dict[str, list] | None = None) -> list[RolloutWorkerHandle]:
     """`rollout.num_workers` RolloutWorkers over these engines, emitting groups to `queue`
-    (None: each keeps its groups for `take_groups`), scoring with `reward_models`, `judges` and
-    `teachers` (the run's reward services and distillation teacher) too if given."""
-    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart, reward_models, judges,
-                                  teachers)
+    (None: each keeps its groups for `take_groups`), scoring with the run's served models too
+    (`services`: name -> its actors, as ServicePool.handles gives them)."""
+    return [create_rollout_worker(cfg, i, engines, queue, slot(slots, i), sampling, restart, services)
             for i in range(cfg.rollout.num_workers)]
 
 
 def create_rollout_worker(cfg: Config, worker_id: int, engines: list[EngineHandle | None], queue: QueueHandle | None,
                           slot: Options | None = None, sampling: SamplingSpec | None = None,
-                          restart: int = 0, reward_models: list[RewardModelHandle] | None = None,
-                          judges: list[EngineHandle] | None = None,
-                          teachers: list[EngineHandle] | None = None) -> RolloutWorkerHandle:
+                          restart: int = 0, services: dict[str, list] | None = None) -> RolloutWorkerHandle:
     """One RolloutWorker, `rollout-worker-<worker_id>` on the dashboard (a replacement: `.rN`)."""
     return (ray.remote(RolloutWorker).options(**rollout_worker_options(cfg, worker_id, restart), **(slot or {}))
-            .remote(worker_id, WorkerSettings.of(cfg), engines, agents_of(cfg), queue, sampling,
-                    reward_models=reward_models, judges=judges, teachers=teachers))
+            .remote(worker_id, WorkerSettings.of(cfg), engines, agents_of(cfg), queue, sampling, services=services))
 
 
-def create_reward_model(cfg: Config, index: int, slot: Options | None = None, restart: int = 0
-                        ) -> RewardModelHandle:
-    """Replica `index` of the run's reward model (reward.model), `reward-model-<index>` on the
-    dashboard, in its bundle `slot`: reward.model.num_cpus_per_actor CPUs (and a GPU on GPUs)."""
-    m = cfg.reward.model
-    opts: Options = {"name": _name("reward-model", index, restart), "num_cpus": m.num_cpus_per_actor,
-                     "max_concurrency": 1000, **({"num_gpus": 1} if cfg.cluster.device == "cuda" else {})}
-    return ray.remote(RewardModelActor).options(**opts, **(slot or {})).remote(RewardModelSettings.of(cfg))
+# -- served models (asyncrl/reward/services.py) -------------------------------------------
+
+def create_service(cfg: Config, service: Served, index: int, slot: Options | None = None,
+                   restart: int = 0) -> ServiceHandle:
+    """Replica `index` of served model `service`, `<name>-<index>` on the dashboard, in its bundle
+    `slot`, not ready yet (`start_services`): an EngineActor with the run's engine settings, never
+    in a weight sync (so never paused), or a RewardModelActor (and a GPU on GPUs)."""
+    opts: Options = {"name": _name(service.name.replace("_", "-"), index, restart), "num_cpus": service.cpus}
+    if service.spec.kind == ENGINE:
+        return (ray.remote(EngineActor).options(**opts, max_concurrency=10_000, **(slot or {}))
+                .remote(index, service.path, "", cfg.engine, cfg.cluster.device, False))
+    gpu = {"num_gpus": 1} if cfg.cluster.device == "cuda" else {}
+    return (ray.remote(RewardModelActor).options(**opts, max_concurrency=1000, **gpu, **(slot or {}))
+            .remote(RewardModelSettings.of(service.section, cfg.cluster.device)))
 
 
-# Models the run serves on engines of their own, never trained: name -> (path, engines, CPUs each)
-def _service_engines(cfg: Config) -> dict[str, tuple[str, int, float]]:
-    j, d = cfg.reward.judge, cfg.algorithm.distill
-    return {"judge": (j.path, j.num_engines, j.num_cpus_per_engine),
-            "teacher": (d.teacher_path, d.num_engines, d.num_cpus_per_engine)}
-
-
-def create_service_engine(cfg: Config, name: str, index: int, slot: Options | None = None,
-                          restart: int = 0) -> EngineHandle:
-    """Engine `index` of served model `name` ("judge": reward.judge; "teacher": algorithm.distill),
-    `<name>-<index>` on the dashboard, in its bundle `slot`, not started yet: an EngineActor with
-    the run's engine settings, never in a weight sync (so never paused)."""
-    path, _, cpus = _service_engines(cfg)[name]
-    opts: Options = {"name": _name(name, index, restart), "num_cpus": cpus, "max_concurrency": 10_000}
-    return (ray.remote(EngineActor).options(**opts, **(slot or {}))
-            .remote(index, path, "", cfg.engine, cfg.cluster.device, False))
-
-
-def create_service_engines(cfg: Config, name: str, slots: list[Options] | None = None) -> list[EngineHandle]:
-    """The engines of served model `name` (none when it has no path), started."""
-    path, n, _ = _service_engines(cfg)[name]
-    if not path:
-        return []
-    engines = [create_service_engine(cfg, name, i, slot(slots, i)) for i in range(n)]
-    for i, info in enumerate(start_engines(engines)):
-        log_service_engine(name, i, info)
-    return engines
-
-
-def log_service_engine(name: str, index: int, info: EngineStartInfo) -> None:
-    logger.info("%s-%d: started in %.0fs, %.2f GiB resident, pid %d", name, index, info.start_s, info.rss_gib,
-                info.pid)
-
-
-def create_reward_models(cfg: Config, slots: list[Options] | None = None) -> list[RewardModelHandle]:
-    """The reward model's replicas (none without reward.model.path), loaded."""
-    if not cfg.reward.model.path:
-        return []
-    replicas = [create_reward_model(cfg, i, slot(slots, i)) for i in range(cfg.reward.model.num_actors)]
-    ray.get([r.health.remote() for r in replicas])
-    return replicas
+def start_services(service: Served, replicas: list[ServiceHandle], first: int = 0) -> None:
+    """Wait until these replicas of `service` (indices from `first`) serve: engines started, models loaded."""
+    name = service.name.replace("_", "-")
+    if service.spec.kind != ENGINE:
+        t0 = time.monotonic()
+        for i, pid in enumerate(ray.get([r.pid.remote() for r in replicas]), first):  # answered once loaded
+            logger.info("%s-%d: started in %.0fs, pid %d", name, i, time.monotonic() - t0, pid)
+        return
+    for i, info in enumerate(start_engines(replicas), first):
+        logger.info("%s-%d: started in %.0fs, %.2f GiB resident, pid %d", name, i, info.start_s, info.rss_gib,
+                    info.pid)
 
 
 # -- trainer and weight sync -------------------------------------------------------------

@@ -40,6 +40,7 @@ from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.periodic_eval import PeriodicEvaluation
 from asyncrl.control.prompts import Prompts
 from asyncrl.control.run_checkpoint import RunCheckpoint, RunState, drop_untrainable, take_snapshots
+from asyncrl.control.service_pool import ServicePool
 from asyncrl.control.step_metrics import (
     Clocks,
     batch_metrics,
@@ -77,6 +78,7 @@ class Driver:
         self.eval_s = 0.0  # seconds training waited for periodic evaluations
         self._started = 0.0  # when the training loop started
         self.engines: EnginePool | None = None
+        self.services: ServicePool | None = None
         self.workers: WorkerPool | None = None
         self.supervisor: Supervisor | None = None
         self.elastic: Elastic | None = None
@@ -113,17 +115,16 @@ class Driver:
             logger.info("engine-%d: started in %.0fs, %.2f GiB resident, on cores %s, processes %s", i,
                         info.start_s, info.rss_gib, info.cpu_cores, info.vllm_processes)
         self.queue = actors.create_queue(cfg)
-        self.workers = WorkerPool(cfg, self.queue, self.engines.routed, self.placement.worker,
-                                  reward_slots={"reward_model": self.placement.reward_model,
-                                                "judge": self.placement.judge, "teacher": self.placement.teacher})
+        self.services = ServicePool(cfg, self.placement.services)  # reward models, judges, a teacher
+        self.workers = WorkerPool(cfg, self.queue, self.engines.routed, self.placement.worker, self.services)
         self.engines.connect(self.trainer)
         self.agents = build_agents(cfg)  # the environments: problems (mixed by weight) and evaluation
         self.heldout = self.agents.heldout(cfg.eval.num_problems)
         self.evals = PeriodicEvaluation(cfg.eval, cfg.trainer.total_steps, self.agents, self.agents.heldout(
             min(cfg.eval.periodic_num_problems or cfg.eval.num_problems, cfg.eval.num_problems)))
         self.prompts = Prompts(cfg.algorithm, cfg.trainer.dist_timeout_s, self.agents, self.workers, self.queue)
-        self.supervisor = Supervisor(cfg.run, self.run_dir, self.engines, self.workers, lambda: self.step,
-                                     self.prompts.restart_lost)
+        self.supervisor = Supervisor(cfg.run, self.run_dir, self.engines, self.workers, self.services,
+                                     lambda: self.step, self.prompts.restart_lost)
         self.elastic = Elastic(cfg.engine.autoscale, self.engines, self.workers, self.supervisor)
         self.control = actors.create_run_control(self.run_dir)  # `asyncrl scale`, `asyncrl stop`
         if cfg.run.resume_from:
@@ -286,7 +287,7 @@ class Driver:
         run goes back to it: what was generated or trained since is thrown away (new workers and
         queue), the checkpoint's queue, ledger, problem stream, loop snapshots and weights take
         over. So no token is newer than the restored policy, and no prompt is lost or trained twice."""
-        self.supervisor.count_restart("trainer", self.cfg.run.max_trainer_restarts, why)
+        self.supervisor.count_restart("trainer", "max_trainer_restarts", why)
         path = latest_checkpoint(self.run_dir)
         if path is None:
             raise TrainingError(f"{why}; this run has no checkpoint to restart from "
@@ -404,6 +405,8 @@ class Driver:
             kill(self.control)
         if self.workers is not None:
             self.workers.shutdown()
+        if self.services is not None:
+            self.services.shutdown()
         if self.engines is not None:
             self.engines.shutdown()
         if self.trainer is not None:

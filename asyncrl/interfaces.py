@@ -135,10 +135,11 @@ class QueueInterface(Protocol):
 
 
 class RewardModelInterface(Protocol):
-    """A reward model replica the rollout workers call (asyncrl/reward/reward_model.py)."""
+    """A reward model replica the rollout workers call (asyncrl/engine/reward_model.py)."""
 
     async def score(self, requests: list[RewardRequest]) -> list[float]: ...
     def health(self) -> bool: ...
+    def pid(self) -> int: ...
 
 
 # Ray actor handles, by the interface their `.remote` methods follow. A handle of the real engine
@@ -148,3 +149,5 @@ TeacherEngineHandle = ActorHandle[TeacherEngine]
 TrainerRankHandle = ActorHandle[TrainerRankInterface]
 QueueHandle = ActorHandle[QueueInterface]
 RewardModelHandle = ActorHandle[RewardModelInterface]
+# A served model's replica (asyncrl/reward/services.py): an engine (judge, teacher) or a reward model.
+ServiceHandle = EngineHandle | TeacherEngineHandle | RewardModelHandle

@@ -23,11 +23,10 @@ class Failure:
 
     Codes: empty_prompt, prompt_too_long, unknown_env, unknown_agent_loop, bad_chat_template (a
     row rejected at submit); loop_error, remote_error (a sample that could not be generated); reward_error,
-    reward_timeout (a reward function that raised or hung: reward 0); reward_model_error,
-    reward_model_timeout, judge_error, judge_timeout, judge_unparsable (the run's reward model or
-    judge failed, hung or answered what its parser cannot read, on a sample: reward 0);
-    teacher_error, teacher_timeout (the distillation teacher failed or hung on a sample: reward 0,
-    no distillation term)."""
+    reward_timeout (a reward function that raised or hung: reward 0); <service>_error,
+    <service>_timeout for each served model of asyncrl/reward/services.py (reward_model_error,
+    prm_timeout, ...: it failed or hung on a sample: reward 0; the teacher's: no distillation
+    term either), judge_unparsable (the judge answered what its parser cannot read: reward 0)."""
 
     code: str
     detail: str = ""
@@ -189,8 +188,8 @@ class WorkerStats:
     engine_failovers: int = 0  # requests that ended because their engine failed (their loops moved on)
     pending_tokens: int = 0  # policy tokens held by unfinished groups (finished samples and snapshots)
     cpu_s: float = 0.0  # CPU seconds of the worker's process so far
-    # reward service (reward_model, judge) -> (samples it scored for this worker, the seconds they took)
-    reward_services: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # served model (asyncrl/reward/services.py) -> (samples it scored for this worker, the seconds they took)
+    services: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Problem:
     messages: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)
     # A verl-layout row's `data_source` and `extra_info`, for a verl-signature reward function
-    # (asyncrl/reward_function.py); empty otherwise.
+    # (asyncrl/reward/reward_function.py); empty otherwise.
     data_source: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
 

@@ -50,7 +50,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config import compose  # noqa: E402
-from asyncrl.recipe_hooks import load_recipe_hooks  # noqa: E402
+from asyncrl.reward.recipe_hooks import load_recipe_hooks  # noqa: E402
 from asyncrl.tasks import Problem, TaskSource, score_answer  # noqa: E402
 
 EOS = "<|endoftext|>"

@@ -1,5 +1,7 @@
 """Build a reward model for `reward.model.path`: the base model's transformer with a one-output
-score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenizer.
+score head (`*ForSequenceClassification`, num_labels=1), saved with its tokenizer; with `--process`
+a process reward model for `reward.prm.path` (`*ForTokenClassification`, num_labels=1: a score at
+every token, read at each step's end), its head random (seeded).
 
     python scripts/build_reward_model.py --base recipes/arith/base_model --out build/arith_reward_model \
         --train-steps 300
@@ -23,14 +25,23 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float = 3e-4, batch: int = 32) -> Path:
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+def build(base: Path, out: Path, train_steps: int = 0, seed: int = 0, lr: float = 3e-4, batch: int = 32,
+          process: bool = False) -> Path:
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        AutoTokenizer,
+    )
 
     torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(base, num_labels=1)
     tokenizer = AutoTokenizer.from_pretrained(base)
     config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    model = AutoModelForSequenceClassification.from_pretrained(base, config=config, dtype=torch.float32)
+    head = AutoModelForTokenClassification if process else AutoModelForSequenceClassification
+    model = head.from_pretrained(base, config=config, dtype=torch.float32)
+    if train_steps and process:
+        raise ValueError("--train-steps trains an outcome reward model only")
     if train_steps:
         _train(model, tokenizer, train_steps, seed, lr, batch)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,13 +116,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "build" / "arith_reward_model")
     ap.add_argument("--train-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--process", action="store_true", help="a process reward model (a token classifier)")
     ap.add_argument("--evaluate", type=Path, help="build nothing: how often the reward model at this path "
                     "ranks a held-out right answer above a wrong one (a JSON line)")
     args = ap.parse_args()
     if args.evaluate:
         print(json.dumps({"reward_model": str(args.evaluate), "right_above_wrong": ranking(args.evaluate)}))
     else:
-        print(build(args.base, args.out, args.train_steps, args.seed))
+        print(build(args.base, args.out, args.train_steps, args.seed, process=args.process))
 
 
 if __name__ == "__main__":

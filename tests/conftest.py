@@ -86,14 +86,25 @@ def base_model() -> Path:
     return BASE_MODEL
 
 
+def _build_reward_model(base_model: Path, out: Path, process: bool) -> Path:
+    spec = importlib.util.spec_from_file_location("build_reward_model", REPO / "scripts" / "build_reward_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(base_model, out, seed=0, process=process)
+
+
 @pytest.fixture(scope="session")
 def reward_model(base_model, tmp_path_factory) -> Path:
     """A reward model (reward.model.path): the base model's transformer with a seeded random score
     head (scripts/build_reward_model.py; ~3 s)."""
-    spec = importlib.util.spec_from_file_location("build_reward_model", REPO / "scripts" / "build_reward_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build(base_model, tmp_path_factory.mktemp("reward_model") / "reward_model", seed=0)
+    return _build_reward_model(base_model, tmp_path_factory.mktemp("reward_model") / "reward_model", False)
+
+
+@pytest.fixture(scope="session")
+def process_reward_model(base_model, tmp_path_factory) -> Path:
+    """A process reward model (reward.prm.path): the base model's transformer with a seeded random
+    score head at every token."""
+    return _build_reward_model(base_model, tmp_path_factory.mktemp("prm") / "prm", True)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.recipe_hooks import load_recipe_hooks
+from asyncrl.reward.recipe_hooks import load_recipe_hooks
 from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
 from tests.conftest import REPO, run_cli

@@ -137,12 +137,14 @@ def test_sync_vs_async_bench_prints_its_figures_as_the_last_line(tmp_path, base_
 
 @pytest.mark.slow
 @pytest.mark.alone
-def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path, base_model, reward_model):
+def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path, base_model, reward_model,
+                                                                       process_reward_model):
     """One run loses its engine's vLLM core (its loops wait for the replacement: there is no other
     engine), its rollout worker, its reward model's replica, its judge's engine and its trainer rank
     (SIGKILL), then is killed whole and resumed from its newest checkpoint. It is the end-to-end run
-    of a reward model and a judge served beside the env's reward (reward.model, reward.judge: their
-    scores weighted in every training sample; the judge is the arith model continuing a number).
+    of the served models that score beside the env's reward (asyncrl/reward/services.py): a reward
+    model, a process reward model and a judge (reward.model, reward.prm, reward.judge: their scores
+    weighted in every training sample; the judge is the arith model continuing a number).
     One of each actor keeps the suite's time (the bench's default is 2 engines and 2 workers;
     tests/test_channel.py moves a worker's requests to a live engine). It is also the end-to-end
     run of the `keep` mode (tests/test_train_e2e.py): eta = 2, requests that outlive a weight sync,
@@ -150,13 +152,15 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     out = run_cli("bench", "faults", "recipe=arith", *TINY_SETTINGS, *KEEP_MODE, "trainer.total_steps=12",
                   "engine.num_engines=1", "rollout.num_workers=1",
                   "eval.every_steps=0", "bench.fault_steps=[2,3,5,9]", "bench.checkpoint_every=4",
-                  f"reward.model.path={reward_model}", "reward.model.weight=0.5", "bench.reward_model_fault_step=4",
+                  f"reward.model.path={reward_model}", "reward.model.weight=0.5",
+                  f"reward.prm.path={process_reward_model}", "reward.prm.weight=0.05",
                   f"reward.judge.path={base_model}", "reward.judge.weight=0.1", "reward.judge.parser=number",
                   "reward.judge.min_score=-20", "reward.judge.max_score=20", "reward.judge.max_new_tokens=6",
                   # the judge continues with just a number (its own answer): few tokens a sample
-                  "reward.judge.prompt_template='{response} {prompt}Answer: '", "bench.judge_fault_step=6",
-                  "reward.model.num_cpus_per_actor=0.25", "reward.judge.num_cpus_per_engine=0.25",
-                  "trainer.num_cpus_per_rank=0.75",  # 2 CPUs in all
+                  "reward.judge.prompt_template='{response} {prompt}Answer: '",
+                  "bench.service_fault_steps.reward_model=4", "bench.service_fault_steps.judge=6",
+                  "reward.model.num_cpus_per_actor=0.125", "reward.prm.num_cpus_per_actor=0.125",
+                  "reward.judge.num_cpus_per_engine=0.25", "trainer.num_cpus_per_rank=0.75",  # 2 CPUs in all
                   f"run.output_dir={tmp_path}", cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:] + (tmp_path / "train.log").read_text()[-6000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -175,8 +179,8 @@ def test_faults_bench_survives_each_fault_and_accounts_for_every_prompt(tmp_path
     assert [f["kind"] for f in summary["faults"]] == ["run"]  # the resumed process's own recovery
     events = [json.loads(x)["kind"] for x in (tmp_path / "run" / "faults.jsonl").read_text().splitlines()]
     assert sorted(events) == ["engine", "judge", "reward_model", "rollout_worker", "run", "trainer"]
-    # every training sample was scored by the reward model and the judge too, their scores weighted beside the env's
-    for service in ("reward_model", "judge"):
+    # every training sample was scored by the served models too, their scores weighted beside the env's
+    for service in ("reward_model", "prm", "judge"):
         scored = [r for r in read_metrics(tmp_path / "run") if r.get(f"{service}/samples")]
         assert len(scored) >= 10 and all(r[f"{service}/latency_s"] > 0 for r in scored)
         assert max(r[f"{service}/samples"] for r in scored) >= 4 * 16  # (totals restart with the resumed process)

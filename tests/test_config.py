@@ -103,7 +103,7 @@ def test_arith_worked_solutions_reduce_one_operation_a_step():
 
 
 def test_recipe_hooks_default_to_the_bare_answer_and_reject_non_functions(tmp_path, monkeypatch):
-    from asyncrl.recipe_hooks import load_recipe_hooks
+    from asyncrl.reward.recipe_hooks import load_recipe_hooks
     from asyncrl.tasks import Problem
 
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -97,11 +97,11 @@ def test_past_its_restart_limit_a_fault_stops_the_run_with_one_line(tmp_path):
     from asyncrl.run_config import load_config
 
     pool = SimpleNamespace  # no actor is started: the supervisor only counts here
-    supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]).run, tmp_path, pool(), pool(), lambda: 3,
-                            lambda mirrored: (0, 0, 0))
-    supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed")
+    supervisor = Supervisor(load_config(["run.max_worker_restarts=1"]).run, tmp_path, pool(), pool(), pool(),
+                            lambda: 3, lambda mirrored: (0, 0, 0))
+    supervisor.count_restart("rollout_worker", "max_worker_restarts", "ActorDiedError: killed")
     with pytest.raises(TrainingError) as e:
-        supervisor.count_restart("rollout_worker", 1, "ActorDiedError: killed again")
+        supervisor.count_restart("rollout_worker", "max_worker_restarts", "ActorDiedError: killed again")
     assert str(e.value) == ("rollout worker failed (ActorDiedError: killed again) after 1 replacement(s): "
                             "run.max_worker_restarts=1 reached")
     assert supervisor.restarts == {"rollout_worker": 1}

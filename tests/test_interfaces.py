@@ -17,6 +17,7 @@ import ray
 from asyncrl import actors, interfaces
 from asyncrl.control.weight_sync import WeightSync
 from asyncrl.engine.engine_actor import EngineActor
+from asyncrl.engine.reward_model import RewardModelActor
 from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.interfaces import (
     EngineInterface,
@@ -28,7 +29,7 @@ from asyncrl.interfaces import (
     TrainerRankInterface,
 )
 from asyncrl.queue.message_queue import MessageQueue
-from asyncrl.reward.reward_model import RewardModelActor
+from asyncrl.reward.services import Served
 from asyncrl.run_config import load_config
 from asyncrl.trainer.sim_trainer import SimTrainerRank
 from asyncrl.trainer.trainer_group import TrainerGroup
@@ -47,7 +48,7 @@ FOLLOWS: dict[type, tuple[type, ...]] = {
 # Public methods beyond the interface, and why nothing calls them through a handle.
 EXTRAS: dict[type, set[str]] = {
     SimTrainerRank: {"step_s"},  # its cost model, called by train_step and the calibration tests
-    RewardModelActor: {"text"},  # how it reads a sample, called by score and its tests
+    RewardModelActor: {"text", "sample"},  # how it reads a sample, called by score and its tests
 }
 SIM = ["recipe=arith", "engine=sim", "trainer=sim"]
 
@@ -112,7 +113,7 @@ def built(monkeypatch) -> list[type]:
         actors.create_engine(cfg, 0)
         actors.create_trainer(cfg)
         actors.create_queue(cfg)
-    actors.create_reward_model(cfg, 0)
+    actors.create_service(cfg, Served("reward_model", cfg.reward.model, "rm", 1, 0.5, 1.0), 0)
     return wrapped
 
 

@@ -13,12 +13,13 @@ from pathlib import Path
 from tests.conftest import REPO
 
 # Plain data, typed messages, config, RL math, the inference protocol and request channel, the
-# actors' declared interfaces, the weight-sync transports, metrics and logging, the task data, user
-# reward functions, torch's private calls.
+# actors' declared interfaces, the weight-sync transports, metrics and logging, the task data, the
+# reward code (rule rewards, user reward functions, recipes' scorers, the served models' table and
+# clients), torch's private calls.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
           "asyncrl.interfaces", "asyncrl.sync", "asyncrl.metrics",
           "asyncrl.monitoring",
-          "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.recipe_hooks", "asyncrl.reward_function", "asyncrl.clock",
+          "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.reward", "asyncrl.clock",
           "asyncrl.lognormal", "asyncrl.torch_compat")
 AGENT_LOOPS = ("agent_loops",)
 # Each actor's folder, and what (besides the bottom) it may use. Agents and agent loops are
@@ -27,7 +28,6 @@ ACTORS = {
     "asyncrl.engine": (),
     "asyncrl.trainer": (),
     "asyncrl.queue": (),
-    "asyncrl.reward": (),
     "asyncrl.run_control": (),  # the run's mailbox and the `asyncrl scale` / `asyncrl stop` that write to it
     "asyncrl.agents": AGENT_LOOPS,
     "asyncrl.rollout": ("asyncrl.agents", *AGENT_LOOPS),
@@ -97,6 +97,8 @@ def test_the_checker_sees_a_crossing():
     assert not allowed("asyncrl.engine.engine_actor", "asyncrl.actors")
     assert not allowed("asyncrl.run_control", "asyncrl.actors")  # the mailbox builds no actor
     assert allowed("asyncrl.rollout.worker", "asyncrl.agents.api")
+    assert allowed("asyncrl.rollout.worker", "asyncrl.reward.services")  # the served models' table and clients
+    assert not allowed("asyncrl.reward.clients", "asyncrl.engine.reward_model")  # a client knows the interface only
     assert allowed("asyncrl.driver", "asyncrl.actors")
     assert allowed("asyncrl.control.engine_pool", "asyncrl.actors")
     assert not allowed("asyncrl.rollout.worker", "asyncrl.control.worker_pool")
@@ -118,7 +120,7 @@ GIVEN_SECTIONS = [
     "asyncrl.engine.engine_actor:EngineActor", "asyncrl.engine.sim_engine:SimEngine",
     "asyncrl.queue.message_queue:MessageQueue", "asyncrl.rollout.worker:RolloutWorker",
     "asyncrl.trainer.trainer_rank:TrainerRank", "asyncrl.trainer.sim_trainer:SimTrainerRank",
-    "asyncrl.run_control:RunControl", "asyncrl.reward.reward_model:RewardModelActor",
+    "asyncrl.run_control:RunControl", "asyncrl.engine.reward_model:RewardModelActor",
     "asyncrl.agents.api:Agent", "asyncrl.agents.dataset:DatasetAgent",
     "asyncrl.agents.remote:RemoteAgent", "asyncrl.agents.reward_only:RewardOnlyAgent",
     "asyncrl.control.prompts:Prompts", "asyncrl.control.periodic_eval:PeriodicEvaluation",
@@ -150,3 +152,22 @@ def test_no_function_is_over_100_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
                 long.append(f"{f.relative_to(REPO)}:{node.lineno} {node.name}")
     assert long == []
+
+
+def test_served_models_are_named_only_in_their_room():
+    """A served model is one row of asyncrl/reward/services.py (its section in config/): no other
+    code names one, so adding one touches no other file (verl's data layout has a `reward_model`
+    column of its own: agents/dataset.py reads it)."""
+    from asyncrl.reward.services import SERVICES
+
+    names = {spec.name for spec in SERVICES}
+    room = ("asyncrl/reward/", "asyncrl/config/")
+    found = []
+    for f in sorted((REPO / "asyncrl").rglob("*.py")):
+        where = str(f.relative_to(REPO))
+        if where.startswith(room):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{where}:{node.lineno} {node.value!r}")
+    assert [x for x in found if not (x.startswith("asyncrl/agents/dataset.py") and "'reward_model'" in x)] == []

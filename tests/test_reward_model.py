@@ -16,9 +16,9 @@ import pytest
 
 from asyncrl.config.models import reward_model_problem
 from asyncrl.config.schema import JudgeConfig
+from asyncrl.engine.reward_model import RewardModelActor, RewardModelSettings
 from asyncrl.messages import RewardRequest
-from asyncrl.reward.reward_model import RewardModelActor, RewardModelSettings
-from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices, ScoreFailed
+from asyncrl.reward.clients import JudgeClient, RewardModelClient, RewardServices, ScoreFailed
 from asyncrl.tasks import Problem
 from asyncrl.types import Trajectory
 
@@ -62,6 +62,36 @@ def test_a_reward_model_reads_a_conversation_through_its_chat_template(reward_mo
     assert plain.text(RewardRequest("1 + 2 =\n", "Answer: 3")) == "1 + 2 =\nAnswer: 3"  # the policy's view
 
 
+def test_a_process_reward_model_scores_each_step_at_its_last_token_and_aggregates(process_reward_model):
+    """reward.prm: the head's output at the last token of each step of the response (steps cut at
+    the separator, empty ones skipped), computed here from HF's own forward pass of the text;
+    the sample's score is their min, mean or last. Batched with other samples (padding) the same."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    prompt, response = "12 + 7 =\n", "12 + 7 = 19\n\nthen 19\nAnswer: 19"
+    text = prompt + response
+    step_ends = [len(prompt + "12 + 7 = 19"), len(prompt + "12 + 7 = 19\n\nthen 19"), len(text)]
+    tokenizer = AutoTokenizer.from_pretrained(process_reward_model)
+    model = AutoModelForTokenClassification.from_pretrained(process_reward_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(**tokenizer(text, return_tensors="pt")).logits[0, :, 0]
+    steps = [float(logits[len(tokenizer(text[:end])["input_ids"]) - 1]) for end in step_ends]
+    assert len(set(round(x, 4) for x in steps)) == 3  # three different scores: the aggregates differ
+
+    settings = RewardModelSettings(str(process_reward_model), max_batch=4, max_length=256, step_separator="\n")
+    request = RewardRequest(prompt, response)
+    other = RewardRequest("3 + 4 =\n", "a longer response, so that the first one is padded\nAnswer: 7")
+    for aggregate, want in (("min", min(steps)), ("mean", sum(steps) / 3), ("last", steps[-1])):
+        actor = RewardModelActor(dataclasses.replace(settings, aggregate=aggregate))
+        alone, = asyncio.run(actor.score([request]))
+        batched = asyncio.run(actor.score([other, request, RewardRequest(prompt, "")]))
+        assert alone == pytest.approx(want, abs=1e-5) and batched[1] == pytest.approx(want, abs=1e-5)
+        assert batched[2] == 0.0  # no step, no score
+
+
 def test_only_a_one_output_sequence_classifier_is_a_reward_model(reward_model, base_model, tmp_path):
     assert reward_model_problem(str(reward_model)) is None
     assert reward_model_problem(str(base_model)) == (
@@ -77,6 +107,13 @@ def test_only_a_one_output_sequence_classifier_is_a_reward_model(reward_model, b
 
     with pytest.raises(ConfigError, match=r"reward.model.path='.*': its architectures \['Qwen2ForCausalLM'\]"):
         load_config(["recipe=arith", f"reward.model.path={base_model}"])
+    # a process reward model is a token classifier: the outcome reward model is refused there, in one line
+    with pytest.raises(ConfigError) as e:
+        load_config(["recipe=arith", f"reward.prm.path={reward_model}", "reward.prm.aggregate=max"])
+    assert e.value.problems == [
+        f"reward.prm.path={str(reward_model)!r}: its architectures ['Qwen2ForSequenceClassification'] hold no token "
+        "classifier (a process reward model is a *ForTokenClassification checkpoint)",
+        "reward.prm.aggregate='max': must be one of min, mean, last"]
 
 
 class ScriptedReplica:
@@ -108,6 +145,10 @@ class ScriptedJudge:
         return self.parse(self.answer)
 
 
+def _model_client(replicas) -> RewardModelClient:
+    return RewardModelClient("reward_model", replicas)
+
+
 PROBLEM = Problem("p", "arith", "1 + 2", "1 + 2 =\n", "3")
 
 
@@ -119,6 +160,7 @@ def scored(services: RewardServices, env_reward: float = 1.0):
 
 def test_the_services_scores_are_weighed_beside_the_env_s_and_their_failures_counted(tmp_path, base_model):
     judge = JudgeClient.__new__(JudgeClient)  # its parser alone (no engine): reward.judge's defaults
+    judge.name = "judge"
     judge.judge = JudgeConfig(parser="number", min_score=0, max_score=10)
     assert [judge.parse(a) for a in ("7", " 7.5/10", "-3", "12 points")] == [0.7, 0.75, 0.0, 1.0]
     judge.judge = JudgeConfig(parser="yes_no")
@@ -134,21 +176,21 @@ def test_the_services_scores_are_weighed_beside_the_env_s_and_their_failures_cou
         judge.parse("Answer: none", "Answer: 4")
     judge.judge = JudgeConfig(parser="yes_no")
     # 0.5 x 1.0 (env) + 2.0 x 0.25 (model) + 1.0 x 1.0 (judge: "yes") = 2.0
-    model = RewardModelClient([ScriptedReplica(0.25)])
+    model = _model_client([ScriptedReplica(0.25)])
     traj, failure = scored(RewardServices(0.5, 5, [(model, 2.0), (ScriptedJudge("yes", judge.parse), 1.0)]))
     assert failure is None and traj.reward == pytest.approx(2.0)
     assert traj.info["reward_metrics"] == {"env_reward": 1.0, "reward_model": 0.25, "judge": 1.0}
     # the replica with fewer of this worker's requests outstanding is picked
     busy, idle = ScriptedReplica(1.0), ScriptedReplica(1.0)
-    two = RewardModelClient([busy, idle])
+    two = _model_client([busy, idle])
     two.outstanding[0] = 3
     services = RewardServices(1.0, 5, [(two, 1.0)])
     scored(services)
     assert (busy.calls, idle.calls) == (0, 1) and services.stats["reward_model"].calls == 1
     for services, code in (
-            (RewardServices(1.0, 0.05, [(RewardModelClient([ScriptedReplica(1.0, hang=True)]), 1.0)]),
+            (RewardServices(1.0, 0.05, [(_model_client([ScriptedReplica(1.0, hang=True)]), 1.0)]),
              "reward_model_timeout: > 0.05s (rollout.reward_timeout_s)"),
-            (RewardServices(1.0, 5, [(RewardModelClient([ScriptedReplica(error=RuntimeError("died\nmore"))]), 1.0)]),
+            (RewardServices(1.0, 5, [(_model_client([ScriptedReplica(error=RuntimeError("died\nmore"))]), 1.0)]),
              "reward_model_error: RuntimeError: died"),
             (RewardServices(1.0, 5, [(model, 1.0), (ScriptedJudge("perhaps", judge.parse), 1.0)]),
              "judge_unparsable: 'perhaps' (yes_no)")):
@@ -165,13 +207,15 @@ def test_the_judge_is_asked_with_its_template_through_its_chat_template(reward_m
     shutil.copytree(base_model, chat)
     config = json.loads((chat / "tokenizer_config.json").read_text())
     (chat / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": load_named_template("chatml")}))
-    judge = JudgeClient([object()], JudgeConfig(path=str(chat), prompt_template="Q: {prompt} A: {response} ok?"))
+    judge = JudgeClient("judge", [object()],
+                        JudgeConfig(path=str(chat), prompt_template="Q: {prompt} A: {response} ok?"))
     conversation = Problem("p", "arith", "1 + 2", "(text)", "3", messages=[{"role": "system", "content": "Be brief."},
                                                                           {"role": "user", "content": "1 + 2 ="}])
     ids = judge.prompt_ids(conversation, "Answer: 3")
     asked = "<|im_start|>user\nQ: 1 + 2 = A: Answer: 3 ok?<|im_end|>\n<|im_start|>assistant\n"
     assert judge.tokenizer.decode(ids) == asked  # the last user message, the generation prompt
-    plain = JudgeClient([object()], JudgeConfig(path=str(base_model), prompt_template="Q: {prompt} A: {response}"))
+    plain = JudgeClient("judge", [object()],
+                        JudgeConfig(path=str(base_model), prompt_template="Q: {prompt} A: {response}"))
     assert plain.tokenizer.decode(plain.prompt_ids(PROBLEM, "Answer: 3")) == "Q: 1 + 2 =\n A: Answer: 3"
     # a template without the response is a judge that answers the problem itself: parser=match only
     from asyncrl.config.validate import ConfigError

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from asyncrl.messages import Failure, PendingGroupState
-from asyncrl.recipe_hooks import load_recipe_hooks
+from asyncrl.reward.recipe_hooks import load_recipe_hooks
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.run_config import load_config
 from asyncrl.tasks import Problem, TaskSource, score_answer
@@ -222,7 +222,7 @@ def test_a_judge_and_a_teacher_on_real_engines_score_every_sample_beside_the_tas
     steps), and it leaves the reward alone."""
     import re
 
-    from asyncrl.rollout.reward_client import JudgeClient
+    from asyncrl.reward.clients import JudgeClient
 
     judge_cfg = load_config(["engine.num_engines=2", "rollout.max_concurrent_loops=16",
                              f"reward.judge.path={BASE_MODEL}", "reward.judge.parser=number",
@@ -232,15 +232,15 @@ def test_a_judge_and_a_teacher_on_real_engines_score_every_sample_beside_the_tas
                              f"algorithm.distill.teacher_path={BASE_MODEL}"])
 
     async def go():
-        worker = RolloutWorker(0, WorkerSettings.of(judge_cfg), engines, agents_of(judge_cfg), judges=engines[:1],
-                               teachers=engines[1:])
+        worker = RolloutWorker(0, WorkerSettings.of(judge_cfg), engines, agents_of(judge_cfg),
+                               services={"judge": engines[:1], "teacher": engines[1:]})
         await worker.submit(problems[:3], n=2)
         await worker.drain()
         return worker
 
     worker = asyncio.run(go())
     hooks = load_recipe_hooks(cfg.recipe.module)
-    client = JudgeClient(engines[:1], judge_cfg.reward.judge)
+    client = JudgeClient("judge", engines[:1], judge_cfg.reward.judge)
     by_id = {p.prompt_id: p for p in problems}
     for g in worker.take_groups():
         for t in g.trajectories:
@@ -255,4 +255,4 @@ def test_a_judge_and_a_teacher_on_real_engines_score_every_sample_beside_the_tas
             assert len(t.teacher_logprobs) == t.num_response_tokens > 0
             assert t.teacher_logprobs == pytest.approx(t.response_logprobs, abs=1e-4)
     stats = worker.get_stats()
-    assert stats.reward_services["judge"][0] == stats.reward_services["teacher"][0] == 6 and stats.failures == {}
+    assert stats.services["judge"][0] == stats.services["teacher"][0] == 6 and stats.failures == {}

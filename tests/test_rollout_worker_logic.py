@@ -23,7 +23,7 @@ from asyncrl.config.schema import AgentConfig
 from asyncrl.control.step_metrics import tool_call_validity
 from asyncrl.inference.protocol import Endpoint
 from asyncrl.messages import Failure, PendingGroupState, WorkerStats
-from asyncrl.recipe_hooks import RecipeHooks
+from asyncrl.reward.recipe_hooks import RecipeHooks
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings
 from asyncrl.run_config import load_config

@@ -17,7 +17,7 @@ import pytest
 from asyncrl.agents.registry import build_agent
 from asyncrl.config import ConfigError
 from asyncrl.config.schema import AgentConfig
-from asyncrl.reward_function import load_reward_function
+from asyncrl.reward.reward_function import load_reward_function
 from asyncrl.run_config import load_config
 from asyncrl.tasks import TaskSource
 from asyncrl.types import Segment, Trajectory

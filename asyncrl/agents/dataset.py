@@ -16,7 +16,7 @@ type) fails the load with an error naming the env, the file and the line (or row
 
 `format: verl` reads verl's RL layout instead (docs/agents.md): `prompt` (chat messages) is the
 conversation, `reward_model.ground_truth` the answer, `data_source` and `extra_info` go with the
-problem to `reward_function` (verl's compute_score signature, asyncrl/reward_function.py). The
+problem to `reward_function` (verl's compute_score signature, asyncrl/reward/reward_function.py). The
 same two rules hold: no prompt or no ground truth -> skipped and counted; a field of the wrong
 type -> the load fails naming the row.
 """
@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 from agent_loops.tools.schemas import tool_schemas
 from asyncrl.agents.api import Agent, AgentSettings
 from asyncrl.config.schema import AgentConfig, DataConfig
-from asyncrl.recipe_hooks import RecipeHooks, load_recipe_hooks
-from asyncrl.reward_function import call_reward_function, load_reward_function
+from asyncrl.reward.recipe_hooks import RecipeHooks, load_recipe_hooks
+from asyncrl.reward.reward_function import call_reward_function, load_reward_function
 from asyncrl.tasks import Problem, TaskSource
 
 logger = logging.getLogger(__name__)

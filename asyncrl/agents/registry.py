@@ -21,6 +21,7 @@ from asyncrl.agents.remote import RemoteAgent
 from asyncrl.agents.reward_only import RewardOnlyAgent
 from asyncrl.config.schema import AgentConfig, Config
 from asyncrl.config.validate import check_data
+from asyncrl.reward.reward_function import load_reward_function
 
 AGENT_TYPES: dict[str, type[Agent]] = {
     "dataset": DatasetAgent,
@@ -53,7 +54,8 @@ def agent_params(spec: AgentConfig) -> Any:
 def check_registered(cfg: Config) -> list[str]:
     """The config's names that must be registered: agent loops (rollout.agent_loop and each
     agent's), the chat template, agent types and their params (a dataset agent's data settings
-    included)."""
+    included); and each dataset's reward function, loaded (executing its file) so that a bad one
+    stops nothing already started."""
     from agent_loops import registered_agent_loops
     from agent_loops.chat import named_templates
 
@@ -76,8 +78,20 @@ def check_registered(cfg: Config) -> list[str]:
             problems.append(f"{key} ({spec.env_id}): {e}")
             continue
         if spec.type in ("dataset", "agent_process"):
-            problems += check_data(f"{key}.params", params)
+            problems += check_data(f"{key}.params", params) + _reward_function_problems(f"{key}.params", params)
+    if not cfg.agents:
+        problems += _reward_function_problems("data", cfg.data)
     return problems
+
+
+def _reward_function_problems(key: str, data: Any) -> list[str]:
+    if not data.reward_function:
+        return []
+    try:
+        load_reward_function(data.reward_function)
+    except ValueError as e:
+        return [f"{key}.reward_function={data.reward_function!r}: {e}"]
+    return []
 
 
 def build_agent(spec: AgentConfig, cfg: Config) -> Agent:

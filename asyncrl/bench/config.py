@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from asyncrl.config import ConfigError
 from asyncrl.config.schema import LOSS_TYPES, PAUSE_MODES
+from asyncrl.reward.services import SPECS
 
 PREFIX = "bench."
 
@@ -56,11 +57,10 @@ class BenchConfig:
     # faults bench: after these steps it kills an engine's vLLM core, a rollout worker, a trainer
     # rank, then the whole run (increasing; the last two after a checkpoint).
     fault_steps: list[int] = field(default_factory=lambda: [3, 5, 9, 13])
-    # faults bench with a reward model (reward.model.path): after this step it kills a replica of
-    # it too (0: none; before the whole run's kill, at a step no other fault takes)
-    reward_model_fault_step: int = 0
-    # ... with a judge (reward.judge.path): after this step it kills the vLLM core of the judge's engine 0
-    judge_fault_step: int = 0
+    # faults bench with served models (asyncrl/reward/services.py): served model -> the step after
+    # which it kills that model's replica 0 (an engine's vLLM core, a reward model's process), e.g.
+    # bench.service_fault_steps.judge=6; each before the whole run's kill, at a step no other fault takes
+    service_fault_steps: dict[str, int] = field(default_factory=dict)
     checkpoint_every: int = 4  # faults bench: trainer.checkpoint_every, unless the overrides set it
     # elastic bench: after each step s it asks the run for n engines ([[s, n], ...], s increasing;
     # empty: engine.num_engines + 1 after step 2, engine.num_engines after step 4)
@@ -123,13 +123,15 @@ def parse_bench_config(overrides: list[str]) -> BenchConfig:
     if len(b.fault_steps) != 4 or any(s < 1 for s in b.fault_steps) or sorted(set(b.fault_steps)) != b.fault_steps:
         problems.append(f"bench.fault_steps={b.fault_steps!r}: must be 4 increasing steps >= 1 "
                         "(engine, rollout worker, trainer rank, whole run)")
-    for name in ("reward_model_fault_step", "judge_fault_step"):
-        r = getattr(b, name)
-        if r and (r < 1 or r in b.fault_steps or (len(b.fault_steps) == 4 and r > b.fault_steps[3])):
-            problems.append(f"bench.{name}={r}: must be 0 or a step >= 1 before the whole run's "
-                            "kill that no other fault of bench.fault_steps takes")
-    if b.reward_model_fault_step and b.reward_model_fault_step == b.judge_fault_step:
-        problems.append(f"bench.judge_fault_step={b.judge_fault_step}: bench.reward_model_fault_step takes that step")
+    taken = list(b.fault_steps)
+    for name, r in b.service_fault_steps.items():
+        if name not in SPECS:
+            problems.append(f"bench.service_fault_steps.{name}: no served model of that name "
+                            f"(one of {', '.join(SPECS)})")
+        elif r < 1 or r in taken or (len(b.fault_steps) == 4 and r > b.fault_steps[3]):
+            problems.append(f"bench.service_fault_steps.{name}={r}: must be a step >= 1 before the whole run's "
+                            "kill that no other fault takes")
+        taken.append(r)
     steps = [x[0] for x in b.engine_schedule if len(x) == 2]
     if (len(steps) != len(b.engine_schedule) or sorted(set(steps)) != steps
             or any(s < 1 or n < 1 for s, n in b.engine_schedule)):

@@ -8,13 +8,13 @@ killed whole (the driver and every process it started) and resumed with
 The run is `asyncrl train` in a subprocess with 2 engines, 2 rollout workers and a checkpoint
 every `bench.checkpoint_every` steps (unless the overrides say otherwise). The bench watches its
 metrics.jsonl: once step `fault_steps[0]` is logged it kills one engine's vLLM engine core, at
-`fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, at
-`bench.reward_model_fault_step` (when set, with reward.model.path) a replica of the reward model,
-at `bench.judge_fault_step` (when set, with reward.judge.path) the vLLM core of the judge's engine 0
-(found by the pid the run logs when it starts the engine), and at `fault_steps[3]` the whole run
-(the trainer step must come after a checkpoint, the whole-run kill too: a trainer restart goes
-back to the newest checkpoint). A rollout worker's, reward model's, judge's or trainer's fault is
-recovered from before the next fault is injected; an engine's replacement starts while the run goes on, and
+`fault_steps[1]` a rollout worker, at `fault_steps[2]` a trainer rank, at each step of
+`bench.service_fault_steps` replica 0 of that served model (a judge's engine: its vLLM core; a
+reward model: its process; found by the pid the run logs when it starts the replica), and at
+`fault_steps[3]` the whole run (the trainer step must come after a checkpoint, the whole-run kill
+too: a trainer restart goes back to the newest checkpoint). A rollout worker's, served model's
+or trainer's fault is recovered from before the next fault is injected; an engine's replacement
+starts while the run goes on, and
 the whole-run kill waits for it. The processes are found by an environment tag that every process
 of the run inherits. Then the bench resumes the run in the same directory and lets it finish.
 
@@ -44,11 +44,11 @@ import psutil
 from asyncrl.bench.config import BenchConfig
 from asyncrl.config import Config
 from asyncrl.monitoring.run_log import read_metrics
+from asyncrl.reward.services import SPECS, served
 
 TAG_ENV = "ASYNCRL_FAULTS_BENCH"
 # The processes each fault kills, by what their command line shows.
-VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank",
-           "reward_model": "ray::RewardModelActor", "judge": "VLLM::EngineCore of judge-0"}
+VICTIMS = {"engine": "VLLM::EngineCore", "rollout_worker": "ray::RolloutWorker", "trainer": "ray::TrainerRank"}
 KINDS = ("engine", "rollout_worker", "trainer", "run")
 
 
@@ -111,8 +111,8 @@ def kill_one(tag: str, kind: str, wait_s: float = 30.0, variable: str = TAG_ENV,
 
 
 def logged_pid(logs: Path, actor: str) -> int:
-    """The process of the served model's engine `actor` (e.g. "judge-0"), as the run last logged it
-    (asyncrl.actors.log_service_engine)."""
+    """The process of the served model's replica `actor` (e.g. "judge-0"), as the run last logged it
+    (asyncrl.actors.start_services)."""
     found = re.findall(rf"{re.escape(actor)}: started in .*, pid (\d+)", logs.read_text())
     if not found:
         raise RuntimeError(f"the run logged no start of {actor} in {logs}")
@@ -162,15 +162,14 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.output_dir=")]
     tag = f"faults-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, TAG_ENV: tag}
-    plan = dict(zip(KINDS, bench.fault_steps))
-    if bench.reward_model_fault_step:  # a replica of the run's reward model, in step order with the others
-        if not cfg.reward.model.path:
-            raise ValueError("bench.reward_model_fault_step needs a reward model (reward.model.path)")
-        plan = dict(sorted({**plan, "reward_model": bench.reward_model_fault_step}.items(), key=lambda kv: kv[1]))
-    if bench.judge_fault_step:  # the judge's engine 0, likewise
-        if not cfg.reward.judge.path:
-            raise ValueError("bench.judge_fault_step needs a judge (reward.judge.path)")
-        plan = dict(sorted({**plan, "judge": bench.judge_fault_step}.items(), key=lambda kv: kv[1]))
+    running = {s.name for s in served(cfg)}
+    for name in bench.service_fault_steps:
+        if name not in running:
+            raise ValueError(f"bench.service_fault_steps.{name}: the run serves no {name} "
+                             f"({SPECS[name].section}.{SPECS[name].path_key} is empty)")
+    # the served models' replicas in step order with the others
+    plan = dict(sorted({**dict(zip(KINDS, bench.fault_steps)), **bench.service_fault_steps}.items(),
+                       key=lambda kv: kv[1]))
     injected: dict[str, dict[str, Any]] = {}
     logs = root / "train.log"
     root.mkdir(parents=True, exist_ok=True)
@@ -191,13 +190,14 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                     kill_all(tag, roots=(proc.pid,))  # the driver and every process under it, at once
                     break
                 seen = len(_events(run_dir, kind))
-                if kind == "judge":
-                    kill_engine_core(logged_pid(logs, "judge-0"))
+                if kind in running:
+                    victim = f"{kind.replace('_', '-')}-0"
+                    kill_engine_core(logged_pid(logs, victim))
                 else:
+                    victim = VICTIMS[kind]
                     kill_one(tag, kind, roots=(proc.pid,))
                 injected[kind] = {"step": _last_step(run_dir), "recoveries_before": seen}
-                print(f"bench faults: killed the {kind} ({VICTIMS[kind]}) after step {injected[kind]['step']}",
-                      flush=True)
+                print(f"bench faults: killed the {kind} ({victim}) after step {injected[kind]['step']}", flush=True)
                 while kind != "engine" and len(_events(run_dir, kind)) == seen:  # the driver waits for these
                     _check_running(proc, f"after the {kind} fault", logs)
                     time.sleep(0.5)

@@ -158,13 +158,25 @@ def vocab_size(path: str) -> int | None:
         return None
 
 
-def reward_model_problem(path: str) -> str | None:
-    """Why the checkpoint at `path` cannot serve as a reward model (reward.model.path), in one line:
-    it must be a sequence classifier with one output. None if it can (or is not a readable local one)."""
+def reward_model_problem(path: str, process: bool = False) -> str | None:
+    """Why the checkpoint at `path` cannot serve as a reward model (reward.model.path), or with
+    `process` as a process reward model (reward.prm.path), in one line: it must be a sequence
+    (token) classifier with one output. None if it can (or is not a readable local one)."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    head, what = ("TokenClassification", "process reward model") if process else ("SequenceClassification",
+                                                                              "reward model")
+    classes = [a for a in raw.get("architectures") or [] if a.endswith(f"For{head}")]
+    labels = raw.get("num_labels", len(raw.get("id2label") or {}) or 2)
+    if not classes:
+        kind = "token" if process else "sequence"
+        return (f"its architectures {raw.get('architectures')} hold no {kind} classifier "
+                f"(a {what} is a *For{head} checkpoint)")
+    if labels != 1:
+        return f"it has {labels} outputs; a {what} has one score (num_labels=1)"
+    return None
     classes = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
     labels = raw.get("num_labels", len(raw.get("id2label") or {}) or 2)
     if not classes:

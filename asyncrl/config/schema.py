@@ -58,7 +58,10 @@ class RunConfig:
     max_engine_restarts: int = 4
     max_worker_restarts: int = 4
     max_trainer_restarts: int = 2
-    max_reward_restarts: int = 4  # of each reward service: reward.model's replicas, reward.judge's engines
+    # of each scoring service (asyncrl/reward/services.py): reward.model's and reward.prm's replicas,
+    # reward.judge's engines
+    max_reward_restarts: int = 4
+    max_teacher_restarts: int = 4  # of the distillation teacher's engines (algorithm.distill)
     # An engine or rollout worker that does not answer a health check within this many
     # seconds counts as dead (it hangs).
     health_timeout_s: float = 120.0
@@ -431,6 +434,20 @@ class RewardModelConfig:
     max_length: int = 1024  # tokens it reads; a longer sample is cut on the left (the response is kept)
 
 
+PRM_AGGREGATES = ("min", "mean", "last")
+
+
+@dataclass
+class ProcessRewardConfig(RewardModelConfig):
+    # A process reward model the run serves: a Hugging Face token-classification checkpoint with
+    # one output. The response is cut into steps at `step_separator`; each step's score is the
+    # head's output at its last token, and the sample's score the steps' `aggregate` (min: a
+    # chain of steps is as good as its worst; mean; last). A response with no step scores 0.
+    # Its fields above as reward.model's; weight: its score's in a training sample's reward.
+    step_separator: str = "\n"
+    aggregate: str = "min"
+
+
 JUDGE_PARSERS = ("number", "yes_no", "match")
 
 
@@ -460,6 +477,7 @@ class JudgeConfig:
 @dataclass
 class RewardConfig:
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    prm: ProcessRewardConfig = field(default_factory=ProcessRewardConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     env_weight: float = 1.0  # the weight of the env's own reward (its rule or hook) beside the services'
     # |reward| past this is a counted failure (reward 0), from a reward function, a service or an env

@@ -37,6 +37,7 @@ from asyncrl.config.schema import (
     MAX_LORA_RANK,
     MOE_MODEL_TYPES,
     PAUSE_MODES,
+    PRM_AGGREGATES,
     ROUTING_REPLAYS,
     SANDBOX_ISOLATIONS,
     TOOL_PARSERS,
@@ -44,9 +45,9 @@ from asyncrl.config.schema import (
     WANDB_MODES,
     WEIGHT_SYNC_TRANSPORTS,
     Config,
+    ProcessRewardConfig,
 )
 from asyncrl.cpu_cores import parse_cores
-from asyncrl.reward_function import load_reward_function
 
 
 class ConfigError(ValueError):
@@ -180,7 +181,8 @@ def _check_model(c: Config, problems: list[str], need, at_least, one_of, within)
 
 def _check_run(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     at_least("run.max_train_s", c.run.max_train_s, 0, "0: no limit")
-    for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts", "max_reward_restarts"):
+    for key in ("max_engine_restarts", "max_worker_restarts", "max_trainer_restarts", "max_reward_restarts",
+                "max_teacher_restarts"):
         at_least(f"run.{key}", getattr(c.run, key), 0, "0: the first such fault ends the run")
     need(0 < c.run.health_timeout_s <= MAX_TIMEOUT_S, "run.health_timeout_s", c.run.health_timeout_s,
          f"seconds in (0, {MAX_TIMEOUT_S:g}]")
@@ -375,16 +377,20 @@ def _check_rollout(c: Config, problems: list[str], need, at_least, one_of, withi
 def _check_reward(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
     within("reward.max_abs", c.reward.max_abs, 1e-6, 1e12, "|reward| past it is a failure: 1e200 overflows "
            "a group's variance")
-    m = c.reward.model
-    if not m.path:
-        return
-    _check_checkpoint_dir("reward.model.path", m.path, problems)
-    if problem := reward_model_problem(m.path):
-        problems.append(f"reward.model.path={m.path!r}: {problem}")
-    within("reward.model.num_actors", m.num_actors, 1, MAX_WORKERS)
-    need(m.num_cpus_per_actor > 0, "reward.model.num_cpus_per_actor", m.num_cpus_per_actor, "must be > 0")
-    within("reward.model.max_batch", m.max_batch, 1, 4096)
-    within("reward.model.max_length", m.max_length, 8, 1 << 20, "tokens")
+    for key, m in (("reward.model", c.reward.model), ("reward.prm", c.reward.prm)):
+        if not m.path:
+            continue
+        _check_checkpoint_dir(f"{key}.path", m.path, problems)
+        process = isinstance(m, ProcessRewardConfig)
+        if problem := reward_model_problem(m.path, process):
+            problems.append(f"{key}.path={m.path!r}: {problem}")
+        within(f"{key}.num_actors", m.num_actors, 1, MAX_WORKERS)
+        need(m.num_cpus_per_actor > 0, f"{key}.num_cpus_per_actor", m.num_cpus_per_actor, "must be > 0")
+        within(f"{key}.max_batch", m.max_batch, 1, 4096)
+        within(f"{key}.max_length", m.max_length, 8, 1 << 20, "tokens")
+        if process:
+            need(m.step_separator != "", f"{key}.step_separator", m.step_separator, "must not be empty")
+            one_of(f"{key}.aggregate", m.aggregate, PRM_AGGREGATES)
 
 
 def _check_distill(c: Config, problems: list[str], need, at_least, one_of, within) -> None:
@@ -618,11 +624,7 @@ def _check_data(key: str, d: Any, problems: list[str]) -> None:
          f"reads rows of a local file: needs {key}.source=file (not {d.source})")
     if d.format != "verl":  # verl rows bring their prompt as messages
         _check_prompt_template(f"{key}.prompt_template", d.prompt_template, d.source, need)
-    if d.reward_function:  # loaded here (executing the file) so that a bad one stops nothing already started
-        try:
-            load_reward_function(d.reward_function)
-        except ValueError as e:
-            problems.append(f"{key}.reward_function={d.reward_function!r}: {e}")
+    # d.reward_function is loaded by asyncrl.agents.registry.check_registered (executing the file)
     for i, name in enumerate(d.tools):  # registered by name when the recipe's module is imported
         need(name.isidentifier(), f"{key}.tools[{i}]", name, "must be a tool's name (an identifier)")
 

@@ -52,11 +52,11 @@ def rollout_metrics(stats: list[WorkerStats]) -> dict[str, Any]:
         tool_errors.update(s.tool_errors)
     out["rollout/failures"] = dict(failures)
     out["rollout/tool_calls"] = sum(s.tool_calls for s in stats)
-    for name in sorted({n for s in stats for n in s.reward_services}):  # reward.model, reward.judge
-        calls = sum(s.reward_services.get(name, (0, 0.0))[0] for s in stats)
+    for name in sorted({n for s in stats for n in s.services}):  # the served models
+        calls = sum(s.services.get(name, (0, 0.0))[0] for s in stats)
         out[f"{name}/samples"] = calls
         if calls:
-            out[f"{name}/latency_s"] = sum(s.reward_services.get(name, (0, 0.0))[1] for s in stats) / calls
+            out[f"{name}/latency_s"] = sum(s.services.get(name, (0, 0.0))[1] for s in stats) / calls
     out.update({f"rollout/tool_errors/{reason}": n for reason, n in tool_errors.items()})
     return out
 

@@ -26,20 +26,21 @@ import ray
 from asyncrl.config.schema import RunConfig
 from asyncrl.control import TrainingError
 from asyncrl.control.engine_pool import EnginePool
+from asyncrl.control.service_pool import ServicePool
 from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.messages import FaultEvent, PendingGroupState, ScaleEvent, error_line
+from asyncrl.reward.services import restart_setting
 
 logger = logging.getLogger(__name__)
 
-# run.max_<key>_restarts of each kind of actor that is replaced, where the key is not the kind
-RESTART_KEYS = {"rollout_worker": "worker", "reward_model": "reward", "judge": "reward", "teacher": "reward"}
 
 
 class Supervisor:
     def __init__(self, run: RunConfig, run_dir: Path, engines: EnginePool, workers: WorkerPool,
-                 step: Callable[[], int],
+                 services: ServicePool, step: Callable[[], int],
                  restart_lost_prompts: Callable[[list[PendingGroupState]], tuple[int, int, int]]):
         self.run, self.run_dir, self.engines, self.workers = run, Path(run_dir), engines, workers
+        self.services = services
         self.step = step  # the run's current step, for the events
         self.restart_lost_prompts = restart_lost_prompts  # (a dead worker's mirror) -> restarted, resumed, kept
         self.restarts: collections.Counter[str] = collections.Counter()  # kind -> replacements so far
@@ -48,17 +49,16 @@ class Supervisor:
         engines.on_dead = workers.on_dead = self.check_health
 
     def check_health(self) -> bool:
-        """Ask every engine, rollout worker and reward service (reward model replica, judge or teacher engine)
-        whether it is alive (a hung one does not answer within run.health_timeout_s); replace the
-        dead. Returns whether any was replaced."""
+        """Ask every engine, rollout worker and served model's replica whether it is alive (a hung
+        one does not answer within run.health_timeout_s); replace the dead. Returns whether any
+        was replaced."""
         timeout = self.run.health_timeout_s
         self.poll_starting()
         probes = [("engine", i, ref) for i, ref in self.engines.health_probes()]
         probes += [("rollout_worker", i, ref) for i, ref in enumerate(self.workers.health_probes())]
-        probes += [(name, i, a.health.remote()) for name, group in self.workers.services.items()
-                   for i, a in enumerate(group)]
+        probes += self.services.health_probes()
         ready, _ = ray.wait([ref for *_, ref in probes], num_returns=len(probes), timeout=timeout)
-        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}, **{n: {} for n in self.workers.services}}
+        dead: dict[str, dict[int, str]] = {"engine": {}, "rollout_worker": {}, **{n: {} for n in self.services.served}}
         for kind, i, ref in probes:
             if ref not in ready:
                 dead[kind][i] = f"no answer to a health check within {timeout:g}s (run.health_timeout_s)"
@@ -69,9 +69,9 @@ class Supervisor:
                 dead[kind][i] = error_line(e)
         if dead["engine"]:
             self.replace_engines(dead["engine"])
-        for name in self.workers.services:  # before the workers: a new worker gets the new service
+        for name in self.services.served:  # before the workers: a new worker gets the new replica
             for i, why in dead[name].items():
-                self._replace_reward_service(name, i, why)
+                self._replace_service(name, i, why)
         for i, why in dead["rollout_worker"].items():
             self._replace_worker(i, why)
         return any(dead.values())
@@ -80,7 +80,7 @@ class Supervisor:
         """Replace the engines of these slots and form a new broadcast group without them; with no
         live engine left, wait for a replacement (nothing can generate)."""
         for i, reason in why.items():
-            self.count_restart("engine", self.run.max_engine_restarts, reason)
+            self.count_restart("engine", "max_engine_restarts", reason)
             logger.warning("engine-%d failed: %s; starting a replacement", i, reason)
             self.engines.replace(i, FaultEvent("engine", f"engine-{i}", self.step(), reason))
         self.engines.reform_group()
@@ -102,7 +102,7 @@ class Supervisor:
 
     def _replace_worker(self, i: int, why: str) -> None:
         """A new worker in the dead one's bundle; every prompt the dead one held starts again."""
-        self.count_restart("rollout_worker", self.run.max_worker_restarts, why)
+        self.count_restart("rollout_worker", "max_worker_restarts", why)
         event = FaultEvent("rollout_worker", f"rollout-worker-{i}", self.step(), why)
         logger.warning("rollout-worker-%d failed: %s; starting a replacement", i, why)
         t0 = time.monotonic()
@@ -115,25 +115,25 @@ class Supervisor:
         event.phases_s = {"start_worker_s": t1 - t0, "restart_prompts_s": time.monotonic() - t1}
         self.record(event)
 
-    def _replace_reward_service(self, name: str, i: int, why: str) -> None:
-        """A new replica of the reward model, or engine of the judge or teacher; the samples the dead
-        one was scoring got reward 0 (counted as reward_model_error / judge_error / teacher_error),
-        their prompts go on."""
-        self.count_restart(name, self.run.max_reward_restarts, why)
+    def _replace_service(self, name: str, i: int, why: str) -> None:
+        """A new replica of a served model; the samples the dead one was scoring got reward 0
+        (counted as <name>_error), their prompts go on."""
+        self.count_restart(name, restart_setting(name), why)
         actor = f"{name.replace('_', '-')}-{i}"
         event = FaultEvent(name, actor, self.step(), why)
         logger.warning("%s failed: %s; starting a replacement", actor, why)
         t0 = time.monotonic()
-        self.workers.replace_reward_service(name, i, restart=self.restarts[name])
+        new = self.services.replace(name, i, restart=self.restarts[name])
+        self.workers.use_service(name, i, new)
         event.phases_s = {f"start_{name}_s": time.monotonic() - t0}
         self.record(event)
 
-    def count_restart(self, kind: str, limit: int, why: str) -> None:
-        """Count one more replacement of `kind`, or stop the run past `limit`."""
+    def count_restart(self, kind: str, setting: str, why: str) -> None:
+        """Count one more replacement of `kind`, or stop the run past its limit (run.<setting>)."""
+        limit = getattr(self.run, setting)
         if self.restarts[kind] >= limit:
             raise TrainingError(f"{kind.replace('_', ' ')} failed ({why}) after {self.restarts[kind]} "
-                                f"replacement(s): run.max_{RESTART_KEYS.get(kind, kind)}_restarts"
-                                f"={limit} reached")
+                                f"replacement(s): run.{setting}={limit} reached")
         self.restarts[kind] += 1
 
     def record(self, event: FaultEvent | ScaleEvent) -> None:

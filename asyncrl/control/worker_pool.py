@@ -15,26 +15,21 @@ import ray
 
 from asyncrl import actors
 from asyncrl.config.schema import Config
-from asyncrl.interfaces import EngineHandle, QueueHandle
+from asyncrl.control.service_pool import ServicePool
+from asyncrl.interfaces import EngineHandle, QueueHandle, ServiceHandle
 from asyncrl.messages import Admitted, PendingGroupState, WorkerStats
 from asyncrl.tasks import Problem
 
 
 class WorkerPool:
     def __init__(self, cfg: Config, queue: QueueHandle, engines: list[EngineHandle | None], slots: list | None,
-                 restart: int = 0, reward_slots: dict[str, list] | None = None):
-        """Start the run's reward services (reward.model's replicas, reward.judge's engines, the
-        distillation teacher's engines, in `reward_slots` by name) if it has them, then
-        `rollout.num_workers` workers routing to `engines` (None: a slot whose engine was removed),
-        emitting to `queue`, in `slots` (their placement-group bundles), scoring with the services too."""
-        self.cfg, self.queue, self.slots = cfg, queue, slots
-        self.reward_slots = reward_slots or {}
-        self.services: dict[str, list] = {  # reward service -> its actors, by index
-            "reward_model": actors.create_reward_models(cfg, self.reward_slots.get("reward_model")),
-            **{name: actors.create_service_engines(cfg, name, self.reward_slots.get(name))
-               for name in ("judge", "teacher")}}
+                 services: ServicePool | None = None, restart: int = 0):
+        """`rollout.num_workers` workers routing to `engines` (None: a slot whose engine was
+        removed), emitting to `queue`, in `slots` (their placement-group bundles), scoring with the
+        run's served models too (`services`)."""
+        self.cfg, self.queue, self.slots, self.services = cfg, queue, slots, services
         self.handles = actors.create_rollout_workers(cfg, engines, queue, slots, restart=restart,
-                                                     **self._services())
+                                                     services=self._services())
         self.last_stats: dict[int, WorkerStats] = {}  # each live worker's latest report
         self.retired_stats: list[WorkerStats] = []  # the last reports of replaced workers
         self.mirrors: list[ray.ObjectRef | None] = [None] * len(self.handles)  # each worker's unfinished groups
@@ -112,23 +107,12 @@ class WorkerPool:
         except Exception:  # it died during the mirror
             return []
 
-    def _services(self) -> dict[str, list]:
-        return {"reward_models": list(self.services["reward_model"]), "judges": list(self.services["judge"]),
-                "teachers": list(self.services["teacher"])}
+    def _services(self) -> dict[str, list[ServiceHandle]]:
+        return self.services.handles() if self.services is not None else {}
 
-    def replace_reward_service(self, name: str, index: int, restart: int) -> None:
-        """A new actor `index` of reward service `name` (the reward model's replica, the judge's or
-        the teacher's engine; the old one killed), which every worker scores with from now on."""
-        kill(self.services[name][index])
-        where = actors.slot(self.reward_slots.get(name), index)
-        if name in ("judge", "teacher"):
-            new = actors.create_service_engine(self.cfg, name, index, where, restart)
-            actors.log_service_engine(name, index, actors.start_engines([new])[0])
-        else:
-            new = actors.create_reward_model(self.cfg, index, where, restart)
-            ray.get(new.health.remote())  # loaded
-        self.services[name][index] = new
-        self._each(lambda w: w.replace_reward_service.remote(name, index, new))
+    def use_service(self, name: str, index: int, actor: ServiceHandle) -> None:
+        """Every worker scores with `actor` as replica `index` of served model `name` from now on."""
+        self._each(lambda w: w.replace_service.remote(name, index, actor))
 
     def health_probes(self) -> list[ray.ObjectRef]:
         return [w.health.remote() for w in self.handles]
@@ -142,7 +126,7 @@ class WorkerPool:
         if last is not None:
             self.retired_stats.append(last)
         self.handles[i] = actors.create_rollout_worker(self.cfg, i, engines, self.queue, actors.slot(self.slots, i),
-                                                       restart=restart, **self._services())
+                                                       restart=restart, services=self._services())
         self.mirrors[i] = None
         ray.get(self.handles[i].health.remote())  # constructed
         return last
@@ -155,7 +139,7 @@ class WorkerPool:
         self.last_stats.clear()
         self.queue = queue
         self.handles = actors.create_rollout_workers(self.cfg, engines, queue, self.slots, restart=restart,
-                                                     **self._services())
+                                                     services=self._services())
         self.mirrors = [None] * len(self.handles)
 
     def kill(self) -> None:
@@ -163,8 +147,8 @@ class WorkerPool:
             kill(w)
 
     def shutdown(self) -> None:
-        """The run is over: the workers and the reward services."""
-        for actor in [*self.handles, *(a for group in self.services.values() for a in group)]:
+        """The run is over."""
+        for actor in self.handles:
             kill(actor)
 
 

@@ -20,9 +20,9 @@ Lifecycle of a submitted problem:
   4) A finished trajectory is scored by its agent's reward in a thread, under
      `rollout.reward_timeout_s`; an exception or a timeout gives reward 0 and a counted
      failure. A loop that raises becomes a failed trajectory (counted), never a crash.
-     With reward services (reward.model, reward.judge), their scores join the env's
-     reward (asyncrl/rollout/reward_client.py), under the same timeout; a distillation
-     teacher (algorithm.distill) adds its logprob of each response token.
+     With served models (asyncrl/reward/services.py: a reward model, a process reward
+     model, a judge), their scores join the env's reward, under the same timeout; a
+     distillation teacher adds its logprob of each response token.
   5) When all n trajectories are finished, the group goes to the sink.
 Every task ends its samples: an exception no step above handles (a bug, the sink refusing) fails
 the samples the task ran (`task_error`, counted); a group that cannot end even so is counted
@@ -55,11 +55,12 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.config.schema import Config, RewardConfig
 from asyncrl.cpu_cores import bind_this_process
 from asyncrl.inference.protocol import Endpoint, InferenceInterface
-from asyncrl.interfaces import EngineHandle, QueueHandle, RewardModelHandle, TeacherEngineHandle
+from asyncrl.interfaces import EngineHandle, QueueHandle, ServiceHandle
 from asyncrl.messages import Admitted, Failure, PendingGroupState, WorkerStats, error_line
+from asyncrl.reward.clients import RewardServices
+from asyncrl.reward.services import Served, served
 from asyncrl.rollout.chat_sessions import ChatSettings
 from asyncrl.rollout.gateway import InferenceGateway
-from asyncrl.rollout.reward_client import JudgeClient, RewardModelClient, RewardServices, TeacherClient
 from asyncrl.rollout.router import EngineRouter
 from asyncrl.rollout.trust import TrajectoryLimits, group_problem, model_limits, trajectory_problem
 from asyncrl.tasks import Problem
@@ -128,13 +129,14 @@ class WorkerSettings:
     n_samples_per_prompt: int
     max_concurrent_loops: int
     cpu_cores: str  # rollout.cpu_cores
-    reward: RewardConfig  # the weights of the env's reward and of the reward services' scores; the judge's settings
+    reward: RewardConfig  # the env's reward's weight, reward.max_abs
+    services: tuple[Served, ...] = ()  # the run's served models: each a client, its weight in the reward
 
     @classmethod
     def of(cls, cfg: Config) -> WorkerSettings:
         r = cfg.rollout
         return cls(AgentSettings.of(cfg), cfg.model.path, cfg.algorithm.n_samples_per_prompt, r.max_concurrent_loops,
-                   r.cpu_cores, cfg.reward)
+                   r.cpu_cores, cfg.reward, served(cfg))
 
 
 def agents_of(cfg: Config) -> Callable[[], WeightedMultiTask]:
@@ -149,14 +151,12 @@ class RolloutWorker:
     def __init__(self, worker_id: int, settings: WorkerSettings, engines: list[EngineHandle | None],
                  agents: WeightedMultiTask | Callable[[], WeightedMultiTask], sink: QueueHandle | None = None,
                  sampling: SamplingSpec | None = None, inference: Callable[[], InferenceInterface] | None = None,
-                 reward_models: list[RewardModelHandle] | None = None, judges: list[EngineHandle] | None = None,
-                 teachers: list[TeacherEngineHandle] | None = None):
+                 services: dict[str, list[ServiceHandle]] | None = None):
         """`engines`: EngineActor handles, routed by an `EngineRouter`. `agents`: built, or how to
         build them here (`agents_of`). `inference`: where each sample generates instead (called once
-        per sample; tests give a scripted engine and no engines). `reward_models`, `judges`: the
-        replicas of the run's reward model (reward.model) and its judge's engines (reward.judge), which
-        score every finished training sample too (asyncrl/rollout/reward_client.py); `teachers`: the
-        engines of its distillation teacher (algorithm.distill), which give each its logprobs."""
+        per sample; tests give a scripted engine and no engines). `services`: the actors of each of
+        the run's served models (`settings.services`) by name, which score every finished training
+        sample too, each through its client (asyncrl/reward/services.py)."""
         self.worker_id = worker_id
         self.settings = s = settings
         bind_this_process(s.cpu_cores)
@@ -168,11 +168,10 @@ class RolloutWorker:
             check_sandbox(s.agents.tools.sandbox)  # a host that cannot sandbox fails the run here, saying why
         self.tokenizer = load_tokenizer(s.agents.tokenizer_path, s.agents.chat_template)  # the agents' too
         self.sampling = sampling or replace(s.agents.sampling)
-        services = ([(RewardModelClient(list(reward_models)), s.reward.model.weight)] if reward_models else []) + \
-            ([(JudgeClient(list(judges), s.reward.judge), s.reward.judge.weight)] if judges else []) + \
-            ([(TeacherClient(list(teachers)), None)] if teachers else [])
-        self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, services,
-                                      s.reward.max_abs) if services else None
+        clients = [(one.spec.client(one.name, list(services[one.name]), one.section), one.weight)
+                   for one in s.services if services and services.get(one.name)]
+        self.rewards = RewardServices(s.reward.env_weight, s.agents.reward_timeout_s, clients,
+                                      s.reward.max_abs) if clients else None
         self.stats = WorkerStats(worker_id)  # counters; running_loops and snapshots are filled in get_stats
         self._slots = asyncio.Semaphore(s.max_concurrent_loops)
         self._interrupt = asyncio.Event()
@@ -358,12 +357,11 @@ class RolloutWorker:
                        tool_errors=dict(self.stats.tool_errors),
                        engine_outstanding=list(self.router.outstanding) if self.router else [],
                        cpu_s=time.process_time(),
-                       reward_services={name: (st.calls, st.seconds) for name, st in self.rewards.stats.items()}
+                       services={name: (st.calls, st.seconds) for name, st in self.rewards.stats.items()}
                        if self.rewards else {})
 
-    def replace_reward_service(self, name: str, index: int, actor: RewardModelHandle | EngineHandle) -> None:
-        """Replica `index` of the reward model ("reward_model"), the judge's engine `index` ("judge") or
-        the teacher's ("teacher") died: its replacement."""
+    def replace_service(self, name: str, index: int, actor: ServiceHandle) -> None:
+        """Replica `index` of served model `name` died: its replacement."""
         if self.rewards is not None and (client := self.rewards.client(name)) is not None:
             client.replace(index, actor)
 

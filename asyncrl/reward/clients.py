@@ -1,26 +1,26 @@
-"""A rollout worker's clients of the run's reward services, which score every finished training
-sample beside its env (docs/algorithms.md):
+"""The clients a rollout worker asks the run's served models through (asyncrl/reward/services.py),
+which score every finished training sample beside its env (docs/algorithms.md):
 
-- a reward model (`reward.model`; asyncrl/reward/reward_model.py): replicas scoring batches, each
-  sample sent to the replica with the fewest of this worker's requests outstanding;
-- a judge (`reward.judge`): a model on vLLM engines of its own, never trained, asked with the
-  judge's prompt template through its own tokenizer (and chat template, where it has one); its
-  answer parsed into a score in [0, 1];
-- a teacher (`algorithm.distill`): a model on vLLM engines of its own, never trained, that gives
-  the logprob of each of the sample's tokens (`Trajectory.teacher_logprobs`): no score, the
-  trainer reads them (on-policy distillation).
+- a reward model (`reward.model`; asyncrl/engine/reward_model.py): replicas scoring batches;
+- a process reward model (`reward.prm`): the same actor scoring each step of the response, the
+  steps' scores aggregated (min, mean or last) into the sample's;
+- a judge (`reward.judge`): a model on vLLM engines of its own, asked with the judge's prompt
+  template through its own tokenizer (and chat template, where it has one); its answer parsed
+  into a score in [0, 1];
+- a teacher (`algorithm.distill`): a model on vLLM engines of its own that gives the logprob of
+  each of the sample's tokens (`Trajectory.teacher_logprobs`): no score, the trainer reads them
+  (on-policy distillation).
 
-A sample's reward becomes
+Each request goes to the service's actor with the fewest of this worker's requests outstanding. A
+sample's reward becomes
 
-    reward.env_weight x the env's reward + reward.model.weight x the model's score
-                                         + reward.judge.weight x the judge's score
+    reward.env_weight x the env's reward + the sum over scoring services of weight x score
 
 (`info["reward_metrics"]` keeps every part). The services are asked at once, under
-rollout.reward_timeout_s; a timeout, a failing replica or engine, or a judge's answer the parser
-cannot read gives the sample reward 0 and a counted failure (`reward_model_timeout`,
-`reward_model_error`, `judge_timeout`, `judge_error`, `judge_unparsable`, `teacher_timeout`,
-`teacher_error`; a sample without the teacher's logprobs has no distillation term), as an env's
-own reward does. Held-out evaluations do not come here: they measure the envs' rewards.
+rollout.reward_timeout_s; a timeout, a failing actor, or a judge's answer the parser cannot read
+gives the sample reward 0 and a counted failure (`<service>_timeout`, `<service>_error`,
+`judge_unparsable`; a sample without the teacher's logprobs has no distillation term), as an
+env's own reward does. Held-out evaluations do not come here: they measure the envs' rewards.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from asyncrl.agents.api import load_tokenizer
 from asyncrl.config.schema import DEFAULT_MAX_ABS_REWARD, JudgeConfig
-from asyncrl.interfaces import EngineHandle, RewardModelHandle, TeacherEngineHandle
+from asyncrl.interfaces import EngineHandle
 from asyncrl.messages import Failure, RewardRequest, error_line
-from asyncrl.rollout.router import EngineRouter
 from asyncrl.tasks import Problem
 from asyncrl.types import SamplingSpec, Trajectory
 
@@ -58,19 +57,20 @@ class ServiceStats:
     seconds: float = 0.0  # the time they took
 
 
-class LeastBusy:
-    """A service's actors, each request sent to the one with the fewest of this worker's requests
-    outstanding; a dead one's replacement takes its index (the supervisor's)."""
+class Client:
+    """A service's actors (`name` in asyncrl/reward/services.py), each request sent to the one
+    with the fewest of this worker's requests outstanding; a dead one's replacement takes its
+    index (the supervisor's). `section`: the service's config section."""
 
-    def __init__(self, actors: list[RewardModelHandle] | list[TeacherEngineHandle]):
-        self.actors = actors
+    def __init__(self, name: str, actors: list[Any], section: Any = None):
+        self.name, self.actors, self.section = name, actors, section
         self.outstanding = [0] * len(actors)
 
-    def replace(self, index: int, actor: RewardModelHandle | TeacherEngineHandle) -> None:
+    def replace(self, index: int, actor: Any) -> None:
         self.actors[index] = actor
 
     @contextlib.contextmanager
-    def pick(self) -> Iterator[RewardModelHandle | TeacherEngineHandle]:
+    def pick(self) -> Iterator[Any]:
         i = min(range(len(self.actors)), key=lambda k: self.outstanding[k])
         self.outstanding[i] += 1
         try:
@@ -78,11 +78,12 @@ class LeastBusy:
         finally:
             self.outstanding[i] -= 1
 
+    async def score(self, problem: Problem, traj: Trajectory) -> float | None:
+        raise NotImplementedError
 
-class RewardModelClient(LeastBusy):
-    """The reward model's replicas."""
 
-    name = "reward_model"
+class RewardModelClient(Client):
+    """A reward model's replicas (RewardModelActor: outcome or process)."""
 
     async def score(self, problem: Problem, traj: Trajectory) -> float:
         request = RewardRequest(problem.prompt, traj.info.get("response", ""), list(problem.messages or []))
@@ -90,21 +91,20 @@ class RewardModelClient(LeastBusy):
             with self.pick() as replica:
                 (score,) = await replica.score.remote([request])
         except Exception as e:  # a dead or failing replica: this sample's reward is 0, the run goes on
-            raise ScoreFailed(Failure("reward_model_error", error_line(e))) from None
+            raise ScoreFailed(Failure(f"{self.name}_error", error_line(e))) from None
         return float(score)
 
 
-class JudgeClient:
-    name = "judge"
+class JudgeClient(Client):
+    """A judge's engines (EngineActor), asked with its template; its answer parsed."""
 
-    def __init__(self, engines: list[EngineHandle], judge: JudgeConfig):
-        self.router = EngineRouter(engines)
+    def __init__(self, name: str, engines: list[EngineHandle], judge: JudgeConfig):
+        from transformers import AutoTokenizer
+
+        super().__init__(name, engines, judge)
         self.judge = judge
-        self.tokenizer = load_tokenizer(judge.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(judge.path)
         self.sampling = SamplingSpec(max_new_tokens=judge.max_new_tokens, temperature=judge.temperature)
-
-    def replace(self, index: int, engine: EngineHandle) -> None:
-        self.router.replace(index, engine)
 
     def prompt_ids(self, problem: Problem, response: str) -> list[int]:
         """The judge's request: its template filled in, through its chat template where it has one."""
@@ -130,22 +130,21 @@ class JudgeClient:
         elif match := NUMBER.search(answer):
             clamped = min(max(float(match.group()), j.min_score), j.max_score)
             return (clamped - j.min_score) / (j.max_score - j.min_score)
-        raise ScoreFailed(Failure("judge_unparsable", f"{answer[:80]!r} ({j.parser})"))
+        raise ScoreFailed(Failure(f"{self.name}_unparsable", f"{answer[:80]!r} ({j.parser})"))
 
     async def score(self, problem: Problem, traj: Trajectory) -> float:
         response = traj.info.get("response", "")
         try:
-            result = await self.router.client().agenerate(self.prompt_ids(problem, response), self.sampling,
-                                                          f"judge-{uuid.uuid4().hex}")
+            with self.pick() as engine:
+                result = await engine.generate.remote(self.prompt_ids(problem, response), self.sampling,
+                                                      f"{self.name}-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: this sample's reward is 0, the run goes on
-            raise ScoreFailed(Failure("judge_error", error_line(e))) from None
+            raise ScoreFailed(Failure(f"{self.name}_error", error_line(e))) from None
         return self.parse(self.tokenizer.decode(result.token_ids, skip_special_tokens=True), response)
 
 
-class TeacherClient(LeastBusy):
-    """The distillation teacher's engines."""
-
-    name = "teacher"
+class TeacherClient(Client):
+    """The distillation teacher's engines (EngineActor.score_tokens)."""
 
     async def score(self, problem: Problem, traj: Trajectory) -> None:
         """The teacher's logprob of each response token, kept in `traj.teacher_logprobs`."""
@@ -153,16 +152,13 @@ class TeacherClient(LeastBusy):
         try:
             with self.pick() as engine:
                 logprobs = await engine.score_tokens.remote(tokens, len(traj.prompt_token_ids),
-                                                             f"teacher-{uuid.uuid4().hex}")
+                                                             f"{self.name}-{uuid.uuid4().hex}")
         except Exception as e:  # a dead engine: no distillation term for this sample, the run goes on
-            raise ScoreFailed(Failure("teacher_error", error_line(e))) from None
+            raise ScoreFailed(Failure(f"{self.name}_error", error_line(e))) from None
         if len(logprobs) != traj.num_response_tokens or not np.isfinite(logprobs).all():  # a NaN: no finite advantage
-            raise ScoreFailed(Failure("teacher_error", f"{len(logprobs)} logprobs for {traj.num_response_tokens} "
+            raise ScoreFailed(Failure(f"{self.name}_error", f"{len(logprobs)} logprobs for {traj.num_response_tokens} "
                                                        "response tokens, or some not finite"))
         traj.teacher_logprobs = logprobs
-
-
-Client = RewardModelClient | JudgeClient | TeacherClient
 
 
 class RewardServices:
