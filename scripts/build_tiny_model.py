@@ -11,9 +11,12 @@ qwen3_moe — 8 experts, top-2, top-k probabilities renormalised, QK-norm; mixtr
 top-2 (always renormalised), HF's block_sparse_moe names; qwen2_moe — 8 routed experts, top-2 NOT
 renormalised (Qwen1.5/Qwen2-MoE's setting), a shared expert (MLP 128) behind its sigmoid gate,
 QKV bias; deepseek_v3 — multi-head latent attention, a dense first layer, then 8 routed experts
-in 2 groups chosen by sigmoid score plus a correction bias, and an ungated shared expert. All:
-hidden 128, 2 layers (deepseek_v3: 3, the first dense), MLP 256 (experts 64), fp32 safetensors
-(~1.5-4.4 MB), built in seconds.
+in 2 groups chosen by sigmoid score plus a correction bias, and an ungated shared expert;
+qwen3_5 (text: `Qwen3_5ForCausalLM`, model_type qwen3_5_text) — Qwen3.5's hybrid: three gated-
+DeltaNet linear-attention layers to one gated full-attention layer (2 key / 4 value heads of 128,
+the head size vLLM-CPU's kernel takes; a short convolution of 4), zero-centred norms, rope on a
+quarter of each head. All: hidden 128, 2 layers (deepseek_v3: 3, the first dense; qwen3_5: 4), MLP
+256 (experts 64), fp32 safetensors (~1.5-4.4 MB), built in seconds.
 
 The config.json is shaped as the family's published checkpoints are (written by transformers 4):
 `rope_theta` at the top level with `rope_scaling` beside it (null for plain rope), `torch_dtype`,
@@ -52,11 +55,12 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5")
 VOCAB_MULTIPLE = 64
 
 
@@ -124,6 +128,16 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                                 # DeepSeek's own config keys, which HF's class ignores (it always
                                 # routes so) and vLLM reads (without them: softmax, no bias)
                                 topk_method="noaux_tc", scoring_func="sigmoid")
+    if arch == "qwen3_5":
+        # Qwen3.5's text layers at the tiny size: linear attention in three layers of four, gated
+        # full attention (q_proj twice as wide: each head's query, then its output gate) in the
+        # fourth; rope on 8 of each head's 32 dims
+        return Qwen3_5TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                                 linear_value_head_dim=128, linear_conv_kernel_dim=4, attention_bias=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                  "partial_rotary_factor": 0.25})
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 
 
@@ -131,11 +145,18 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Draw every parameter from `seed`, in name order: linear weights N(0, 1/fan_in), the
     embedding N(0, 1), norm weights 1 + N(0, 0.2^2), biases (and DeepSeek's router correction
-    bias) N(0, 0.2^2)."""
+    bias) N(0, 0.2^2); gated DeltaNet's convolution N(0, 1/kernel), its decay rates A = exp(A_log)
+    log-uniform in [0.5, 4] and its dt_bias N(0, 0.2^2)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        if "norm" in name:
+        if name.endswith("A_log"):
+            p.copy_(math.log(0.5) + math.log(8.0) * torch.rand(p.shape, generator=gen))
+        elif name.endswith("dt_bias"):
+            p.copy_(0.2 * noise)
+        elif name.endswith("conv1d.weight"):
+            p.copy_(noise / math.sqrt(p.shape[-1]))
+        elif "norm" in name:
             p.copy_(1.0 + 0.2 * noise)
         elif name.endswith(".bias"):
             p.copy_(0.2 * noise)
@@ -155,7 +176,10 @@ WITHOUT_HEAD_DIM = ("mistral", "mixtral")
 
 
 def published_style(arch: str, raw: dict) -> dict:
-    """The config.json transformers 5 writes, reshaped as the family's published ones (module docstring)."""
+    """The config.json transformers 5 writes, reshaped as the family's published ones (module
+    docstring); Qwen3.5's were published by transformers 5: as written."""
+    if arch == "qwen3_5":
+        return raw
     raw = dict(raw)
     rope = dict(raw.pop("rope_parameters", None) or {})
     raw["rope_theta"] = rope.pop("rope_theta", 10000.0)

@@ -3,7 +3,8 @@ scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-nor
 llama with llama3 rope scaling; mistral, Llama's layers under its own model_type; qwen3_moe,
 mixtral, qwen2_moe and deepseek_v3 with 8 experts, top-2, renormalised or not, qwen2_moe with a
 gated shared expert, deepseek_v3 with multi-head latent attention, a shared expert and a sigmoid
-router with a correction bias and group-limited top-k) through the megatron trainer at TP 1 and 2,
+router with a correction bias and group-limited top-k; qwen3_5, Qwen3.5's text model: gated-DeltaNet
+layers and a gated attention layer, at TP 1 only) through the megatron trainer at TP 1 and 2,
 for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts split, EP 2) and for every
 MoE family but deepseek_v3 at EP 2 (its measured once): its full-vocabulary
 logits equal HF's, its HF export before training is the checkpoint, a train step moves every
@@ -42,6 +43,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 from asyncrl.config.models import model_config_problems
 from asyncrl.rollout.trust import model_limits
@@ -49,7 +51,7 @@ from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
 from tests.conftest import REPO, run_cli
 
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 # (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2 and
 # mistral, below); one dense and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its
@@ -59,7 +61,8 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
 # qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's;
 # mistral's is llama's (the same bridge and layers; measured once: docs/models.md).
-SKIPPED = {("qwen2", "tp2"), ("mistral", "tp2")}
+# qwen3_5's gated-DeltaNet layers are built for TP 1 (TP 2 is refused: test_features_...).
+SKIPPED = {("qwen2", "tp2"), ("mistral", "tp2"), ("qwen3_5", "tp2")}
 CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2") if (arch, layout) not in SKIPPED] + [
     ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2"), ("mixtral", "ep2"),
     ("qwen2_moe", "ep2")]
@@ -108,8 +111,8 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
             "model.layers.1.block_sparse_moe.experts.7.w3.weight"} <= names["mixtral"]
     assert {"model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.down_proj.weight",
             "model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"} <= names["qwen2_moe"]
-    for path in tiny_models.values():
-        hf = read_model_config(str(path), tp_size=2)
+    for arch, path in tiny_models.items():
+        hf = read_model_config(str(path), tp_size=1 if arch == "qwen3_5" else 2)
         assert hf.vocab_size % 64 == 0 and hf.vocab_size >= len(AutoTokenizer.from_pretrained(path))
         # grouped-query attention, but for DeepSeek's latent attention (every head reads one latent)
         assert hf.num_key_value_heads < hf.num_attention_heads or hf.model_type == "deepseek_v3"
@@ -130,6 +133,13 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     # the routes a rollout of each MoE family may carry: [layers, top_k] ids below its expert count
     for arch in MOE_FAMILIES:
         assert model_limits(str(tiny_models[arch])).routes == (2, 2, 8), arch
+    # Qwen3.5: three gated-DeltaNet layers, then one gated full attention (q_proj: each head's query and gate)
+    assert {"model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.2.linear_attn.A_log",
+            "model.layers.3.self_attn.q_norm.weight"} <= names["qwen3_5"]
+    qwen3_5 = read_model_config(str(tiny_models["qwen3_5"]))
+    assert qwen3_5.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert load_file(f"{tiny_models['qwen3_5']}/model.safetensors")["model.layers.3.self_attn.q_proj.weight"].shape \
+        == (2 * 4 * 32, 128)
 
 
 def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
@@ -193,6 +203,10 @@ def test_features_the_conversion_does_not_cover_are_refused():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
     assert "not divisible" in model_config_problems(LlamaConfig(**{**ok, "vocab_size": 321}), tp_size=2)[0]
+    hybrid = Qwen3_5TextConfig(**ok, head_dim=32, layer_types=["linear_attention"])
+    assert model_config_problems(hybrid, tp_size=1) == []  # its partial rope included
+    assert model_config_problems(hybrid, tp_size=2) == [
+        "trainer.tensor_parallel_size=2 (its gated-DeltaNet layers are built for 1)"]
 
 
 # Published checkpoints' config.json at a tiny size: their keys as published (absent, null, the
@@ -231,11 +245,18 @@ PUBLISHED = {
 PUBLISHED["Mixtral (transformers 5 saved)"] = {**PUBLISHED["Mixtral-8x7B-v0.1"], "head_dim": None}
 PUBLISHED["Qwen3 with head_dim null"] = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=None)
 PUBLISHED["Qwen3.5 (text)"] = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", head_dim=16,
-                                   layer_types=["linear_attention"])
+                                   layer_types=["linear_attention"],
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                    "partial_rotary_factor": 0.25})
+# Qwen3.5 as published: the vision-language model around the text one
+PUBLISHED["Qwen3.5 (vision-language)"] = dict(architectures=["Qwen3_5ForConditionalGeneration"],
+                                              model_type="qwen3_5", text_config={"head_dim": 16})
+PUBLISHED["Qwen3.5-MoE (text)"] = dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
 REFUSED = {"Mistral-7B-v0.1": ["sliding_window=4096"],
            "DeepSeek-V3": ["rope_type 'yarn'", "a quantized checkpoint (quantization_config: fp8"],
            "Qwen3 with head_dim null": ["does not load in transformers 5", "'head_dim' expected int, got NoneType"],
-           "Qwen3.5 (text)": ["'qwen3_5_text' is not supported", "gated-DeltaNet layers"]}
+           "Qwen3.5 (vision-language)": ["'qwen3_5' is not supported", "model_type qwen3_5_text"],
+           "Qwen3.5-MoE (text)": ["'qwen3_5_moe_text' is not supported", "dense text model (qwen3_5_text) only"]}
 
 
 def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
@@ -253,10 +274,26 @@ def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
             continue
         hf = read_model_config(str(path))
         assert hf.head_dim == (keys.get("head_dim") or 64 // 4), name  # the published one, or HF's derivation
-        assert hf.rope_theta == keys.get("rope_theta", 10000.0), name
+        assert hf.rope_theta == keys.get("rope_theta", (keys.get("rope_parameters") or {}).get("rope_theta", 1e4)), name
         assert hf.rope_parameters["rope_theta"] == hf.rope_theta, name
     assert read_model_config(str(tmp_path / "Llama-3.2-1B")).rope_parameters["rope_type"] == "llama3"
     assert read_model_config(str(tmp_path / "Qwen2.5-0.5B")).sliding_window is None  # unused: no window applied
+
+
+def test_what_is_not_built_for_qwen3_5_is_refused_at_validation_in_one_line_each(tiny_models):
+    from asyncrl.config import ConfigError, compose
+    from asyncrl.run_config import validate_config
+
+    path = tiny_models["qwen3_5"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["recipe=arith", f"model.path={path}", "trainer.pipeline_parallel_size=2",
+                                 "trainer.lora.rank=8"]), trains=True)
+    ours = [p for p in err.value.problems if "qwen3_5_text" in p]  # (LoRA at PP 2 is refused for all)
+    assert [p.split(":")[0] for p in ours] == [
+        "trainer.pipeline_parallel_size=2", "trainer.lora.rank=8", f"model.path={str(path)!r}"]
+    assert "vLLM-CPU engine is not built yet" in ours[-1]
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size=2 .its gated-DeltaNet layers are built for 1"):
+        validate_config(compose(["recipe=arith", f"model.path={path}", "trainer.tensor_parallel_size=2"]), trains=True)
 
 
 def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):

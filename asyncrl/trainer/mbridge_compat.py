@@ -43,6 +43,11 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.core.llm_bridge", "LLMBridge._build_base_config"),
     ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._get_safetensor_io"),
     ("mbridge.core.bridge", "Bridge._get_safetensor_io"),
+    ("mbridge.models.qwen2", "Qwen2Bridge._ATTENTION_MAPPING"),
+    ("mbridge.core.llm_bridge", "LLMBridge._build_config"),
+    ("mbridge.core.llm_bridge", "LLMBridge._get_gptmodel_args"),
+    ("mbridge.core.bridge", "Bridge._weight_to_mcore_format"),
+    ("mbridge.core.bridge", "Bridge._weight_to_hf_format"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -96,6 +101,15 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     # Why read_plain_safetensors: the bridge's reader dequantises FP8 to bf16 and refuses other dtypes.
     ("mbridge.models.deepseek_v3", "DeepseekV3Bridge._get_safetensor_io",
      'raise NotImplemented("only support bfloat16'),
+    # What qwen3_5_text_bridge relies on: a parameter maps by the first attention key its name
+    # contains; megatron's gated attention splits each query group as [queries, gates, key, value]
+    # (qwen3_5.gated_qkv_to_mcore) and passes the packed rows to whatever holds the self-attention
+    # slot (gdn.PackedGatedDeltaNet).
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_attention", "if keyword in name:"),
+    ("megatron.core.transformer.attention", "SelfAttention.get_query_key_value_tensors",
+     "(query, gate, key, value) = torch.split(mixed_qkv, split_arg_list, dim=3)"),
+    ("megatron.core.transformer.transformer_layer", "TransformerLayer._forward_attention",
+     "packed_seq_params=packed_seq_params,"),
 ]
 
 
@@ -168,6 +182,51 @@ def deepseek_v3_bridge() -> type:
         TransformerConfigClass = staticmethod(mla_config)
 
     return DeepseekV3BridgeForMcore016
+
+
+@functools.cache
+def qwen3_5_text_bridge() -> type:
+    """A bridge for Qwen3.5's text model (asyncrl/trainer/qwen3_5.py), which mbridge lacks: its
+    Qwen2 bridge with the gated DeltaNet's names, the gated attention's layout, partial rope and
+    the hybrid layer spec."""
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    from asyncrl.trainer import qwen3_5
+
+    linear = "model.layers.{layer_number}.linear_attn."
+
+    class Qwen3_5TextBridge(Qwen2Bridge):
+        # mbridge 0.15.1 maps a parameter by the first of these keys its name contains
+        _ATTENTION_MAPPING = {
+            **Qwen2Bridge._ATTENTION_MAPPING,
+            "self_attention.in_proj.weight": [linear + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")],
+            "self_attention.conv1d.weight": [linear + "conv1d.weight"],
+            "self_attention.A_log": [linear + "A_log"],
+            "self_attention.dt_bias": [linear + "dt_bias"],
+            "self_attention.out_norm.weight": [linear + "norm.weight"],
+            "self_attention.out_proj.weight": [linear + "out_proj.weight"],
+        }
+
+        def _build_config(self):
+            return self._build_base_config(**qwen3_5.config_args(self.hf_config))
+
+        def _get_gptmodel_args(self) -> dict:
+            return {**super()._get_gptmodel_args(), **qwen3_5.gptmodel_args(self.hf_config)}
+
+        def _get_transformer_layer_spec(self, vp_stage: int | None = None):
+            return qwen3_5.layer_spec(self.config, self.hf_config.layer_types, vp_stage)
+
+        def _weight_to_mcore_format(self, mcore_weights_name: str, hf_weights: list[torch.Tensor]) -> torch.Tensor:
+            fused = qwen3_5.to_mcore(mcore_weights_name, [w.to(self.dtype) for w in hf_weights], self.hf_config)
+            return fused if fused is not None else super()._weight_to_mcore_format(mcore_weights_name, hf_weights)
+
+        def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights: torch.Tensor):
+            parts = qwen3_5.to_hf(mcore_weights_name, mcore_weights, self.hf_config)
+            if parts is None:
+                return super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
+            return self._weight_name_mapping_mcore_to_hf(mcore_weights_name), parts
+
+    return Qwen3_5TextBridge
 
 
 def map_mla_layer_norms(bridge: Any) -> None:

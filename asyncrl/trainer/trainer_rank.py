@@ -140,7 +140,7 @@ class TrainerRank:
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
-        from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge, transformer_engine_available
+        from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge, uses_transformer_engine
 
         if self.on_cpu:
             from asyncrl.trainer.megatron_cpu import (
@@ -160,7 +160,7 @@ class TrainerRank:
                                         mpu.get_expert_model_parallel_rank())
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(self.settings.seed)
-        self.use_te = not self.on_cpu and transformer_engine_available()
+        self.use_te = uses_transformer_engine(self.settings.model.path, self.on_cpu)
         self.tp_size, self.dp_size = mpu.get_tensor_model_parallel_world_size(), mpu.get_data_parallel_world_size()
         self.dp_rank = mpu.get_data_parallel_rank()
 

@@ -1,0 +1,172 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention) over a packed row of sequences.
+
+A micro-batch is one row of several sequences end to end (batch.py). Each sequence's short
+causal convolution and recurrent state must start from zero at its first token, as they do
+when the sequence is alone: megatron-core 0.16.1's GatedDeltaNet refuses packed rows ("GDN does
+not support packed sequence for now") and needs flash-linear-attention's Triton kernels, and
+transformers' torch fallback drops `cu_seqlens` (its state would leak across sequences). So:
+
+- the convolution runs per sequence, with k-1 zeros before it (`packed_causal_conv1d`);
+- the chunked gated delta rule (HF's `torch_chunk_gated_delta_rule`, op for op) runs on chunks
+  of 64 aligned to each sequence's start: the chunk-local work (the UT transform, the
+  within-chunk attention) for every chunk of the row at once, then one scan step per chunk
+  position, over every sequence that still has a chunk there (`packed_chunk_gated_delta_rule`).
+
+Memory grows with the packed tokens (chunks of 64 x 64, states of the chunks in the scan), never
+with their square; Python loops once per chunk position (the longest sequence's tokens / 64),
+never per token. Sequences are ordered longest first so that the sequences of each scan step are
+a prefix: each step's state is a slice of the last, nothing is gathered or scattered in the scan.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # HF's and flash-linear-attention's chunk
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """flash-linear-attention's (and HF's) l2 normalisation of the last dimension."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Depthwise causal convolution of x [T, D] with weight [D, k], each sequence of the row
+    from zero state, then SiLU: [T, D]. One convolution per sequence, as HF's `causal_conv1d_fn`
+    computes it (one call over the row with zeros between the sequences differs from it in the
+    last bit: the kernel picks its algorithm by length)."""
+    k, channels = weight.shape[-1], weight.shape[0]
+    taps = weight.unsqueeze(1)
+    # SiLU on each sequence's slice too: its vectorised kernel rounds the tail of a row differently
+    out = [F.silu(F.conv1d(x[a:b].t().unsqueeze(0).to(weight.dtype), taps, padding=k - 1, groups=channels)[..., :b - a])
+           for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    return torch.cat(out, dim=-1)[0].t().to(x.dtype)
+
+
+def _layout(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, list[int], int]:
+    """Where each token goes in the chunk buffer, chunks ordered by (position in the sequence,
+    sequence longest first): (its row in the buffer [T], the sequences at each chunk position,
+    the buffer's chunks)."""
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    chunks = [-(-n // CHUNK) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda s: -chunks[s])
+    rank = [0] * len(lengths)
+    for r, s in enumerate(order):
+        rank[s] = r
+    active = [sum(1 for n in chunks if n > c) for c in range(max(chunks, default=0))]  # sequences at position c
+    first = [0]
+    for a in active[:-1]:
+        first.append(first[-1] + a)  # the buffer's first chunk of position c
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
+    chunk = torch.tensor(first, dtype=torch.long)[pos // CHUNK] + torch.tensor(rank)[seq]
+    return (chunk * CHUNK + pos % CHUNK).to(device), active, sum(active)
+
+
+def packed_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                                  beta: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """The gated delta rule within each sequence of a packed row, every state from zero.
+
+    query, key [T, H, Dk] (already repeated to the value heads), value [T, H, Dv], g (log decay,
+    <= 0) and beta [T, H]; q and k are l2-normalised here and q scaled by Dk^-0.5 (HF's
+    use_qk_l2norm_in_kernel=True). Computed in fp32; returns [T, H, Dv] in value's dtype."""
+    dtype, tokens = value.dtype, value.shape[0]
+    rows, active, chunks = _layout(cu_seqlens, value.device)
+    query, key = l2norm(query.float()), l2norm(key.float())
+    query = query * query.shape[-1] ** -0.5
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [chunks, H, CHUNK, ...], zeros past each end
+        buffer = x.new_zeros(chunks * CHUNK, *x.shape[1:]).index_copy(0, rows, x)
+        return buffer.view(chunks, CHUNK, *x.shape[1:]).transpose(1, 2)
+
+    query, key, value = chunked(query), chunked(key), chunked(value.float())
+    beta, decay = chunked(beta.float()), chunked(g.float())  # [chunks, H, CHUNK]
+    v_beta, k_beta = value * beta.unsqueeze(-1), key * beta.unsqueeze(-1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=value.device).triu(1)
+    cum_decay = decay.cumsum(dim=-1)
+    pairwise = (cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, k_beta * cum_decay.exp().unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+
+    # the scan: position c's chunks are buffer[first : first + active[c]], their sequences' states the
+    # first active[c] of the last step's (longest first: those still going)
+    heads, dk, dv = key.shape[1], key.shape[-1], value.shape[-1]
+    state = value.new_zeros(active[0] if active else 0, heads, dk, dv)
+    out, first = [], 0
+    for n in active:
+        at = slice(first, first + n)
+        state = state[:n]
+        v_new = new_values[at] - k_cumdecay[at] @ state
+        out.append(query[at] @ state + intra[at] @ v_new)
+        state = state * chunk_decay[at] + key[at].transpose(-1, -2) @ v_new
+        first += n
+    core = torch.cat(out).transpose(1, 2).reshape(chunks * CHUNK, heads, dv) if out else value.new_zeros(0, heads, dv)
+    return core.index_select(0, rows).to(dtype) if tokens else core.to(dtype)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """The DeltaNet output's norm, gated: weight x rms_norm(x), times silu(gate) in fp32 (HF's
+    Qwen3_5RMSNormGated, op for op)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class PackedGatedDeltaNet(torch.nn.Module):
+    """A gated-DeltaNet layer in megatron's self-attention slot, over THD packed rows: the
+    parameters of megatron-core's GatedDeltaNet (in_proj: q, k, v, z, b, a fused; conv1d; A_log;
+    dt_bias; out_norm; out_proj), the forward of HF's Qwen3_5GatedDeltaNet. Tensor parallelism 1."""
+
+    def __init__(self, config, submodules=None, layer_number: int | None = None, **kwargs):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.heads = (nk, nv, dk, dv)
+        conv = 2 * nk * dk + nv * dv  # q, k and v go through the convolution
+        self.split = [conv, nv * dv, nv, nv]  # in_proj's rows: q k v, z, b, a
+        dtype = config.params_dtype
+        self.in_proj = torch.nn.Linear(config.hidden_size, sum(self.split), bias=False, dtype=dtype)
+        self.conv1d = torch.nn.Conv1d(conv, conv, config.linear_conv_kernel_dim, groups=conv, bias=False, dtype=dtype)
+        self.A_log = torch.nn.Parameter(torch.zeros(nv, dtype=dtype))
+        self.dt_bias = torch.nn.Parameter(torch.ones(nv, dtype=dtype))
+        self.out_norm = GatedRMSNorm(dv, config.layernorm_epsilon)
+        self.out_proj = torch.nn.Linear(nv * dv, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
+        """hidden_states [T, 1, H] (THD) -> ([T, 1, H], None), as megatron's attention returns."""
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("PackedGatedDeltaNet needs THD packed_seq_params (the trainer passes them for every row)")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None or cu.device.type != "cpu":
+            raise ValueError("PackedGatedDeltaNet needs the sequence boundaries on the host as cu_seqlens_q_padded")
+        cu = cu.tolist()
+        nk, nv, dk, dv = self.heads
+        x = hidden_states[:, 0]
+        # one product per part, as HF's four linears (one fused product differs in the last bit)
+        qkv, z, b, a = (F.linear(x, w) for w in self.in_proj.weight.split(self.split))
+        qkv = packed_causal_conv1d(qkv, self.conv1d.weight.squeeze(1), cu)
+        q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k, v = q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if nv > nk:  # each key head serves nv / nk value heads
+            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+        core = packed_chunk_gated_delta_rule(q, k, v, g, beta, cu)
+        core = self.out_norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(-1, nv * dv)
+        return F.linear(core, self.out_proj.weight).unsqueeze(1), None

@@ -1,0 +1,67 @@
+"""The gated DeltaNet over packed rows (asyncrl/trainer/gdn.py) against HF's own torch functions
+run on each sequence alone: sequences shorter than the convolution, crossing chunks of 64, of
+exactly one chunk, of one token; the forward equal to the last bit, the gradients within fp32
+rounding; no tensor with two dimensions as long as the row. The whole Qwen3.5 layer through the
+megatron trainer (logits, export, a step) is in tests/test_model_families.py."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from asyncrl.trainer.gdn import packed_causal_conv1d, packed_chunk_gated_delta_rule
+from tests.trainer_scale_probe import SquareWatch
+
+LENGTHS = [3, 70, 130, 1, 64]  # the convolution's kernel is 4; chunks of 64
+
+
+def _row(lengths: list[int], heads: int = 4, dk: int = 16, dv: int = 24, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    t = cu[-1]
+    q, k = torch.randn(t, heads, dk, generator=gen), torch.randn(t, heads, dk, generator=gen)
+    v = torch.randn(t, heads, dv, generator=gen)
+    g = -torch.rand(t, heads, generator=gen)  # log decay <= 0
+    beta = torch.rand(t, heads, generator=gen)
+    return cu, [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def _hf_rule(q, k, v, g, beta):
+    out, _ = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                                             use_qk_l2norm_in_kernel=True)
+    return out[0]
+
+
+def test_the_packed_delta_rule_is_hfs_on_each_sequence_alone():
+    cu, inputs = _row(LENGTHS)
+    packed = packed_chunk_gated_delta_rule(*inputs, cu)
+    alone = torch.cat([_hf_rule(*(x[a:b] for x in inputs)) for a, b in zip(cu[:-1], cu[1:])])
+    assert torch.equal(packed, alone)  # the same ops on the same chunks: the same bits
+    weights = torch.randn(packed.shape, generator=torch.Generator().manual_seed(1))
+    ours = torch.autograd.grad((packed * weights).sum(), inputs)
+    theirs = torch.autograd.grad((alone * weights).sum(), inputs)
+    for name, a, b in zip("q k v g beta".split(), ours, theirs):
+        assert (a - b).abs().max() <= 1e-6 * max(1.0, b.abs().max().item()), name
+    # the state restarts at every sequence: the second sequence alone is its part of the row
+    second = packed_chunk_gated_delta_rule(*(x[cu[1]:cu[2]] for x in inputs), [0, LENGTHS[1]])
+    assert torch.equal(second, packed[cu[1]:cu[2]])
+
+
+def test_the_packed_convolution_is_hfs_on_each_sequence_alone():
+    cu = [0, 3, 73, 203, 204, 268]
+    x = torch.randn(cu[-1], 40, generator=torch.Generator().manual_seed(2))
+    weight = torch.randn(40, 4, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([hf.causal_conv1d_fn(x[a:b].t()[None], weight, None, activation="silu")[0].t()
+                       for a, b in zip(cu[:-1], cu[1:])])
+    assert torch.equal(packed_causal_conv1d(x, weight, cu), alone)
+
+
+def test_a_long_packed_row_makes_no_square_tensor():
+    """8 sequences of 256 (L = 2,048): chunks of 64 x 64 and one state per chunk, never L x L."""
+    cu, inputs = _row([256] * 8, heads=2, dk=8, dv=8)
+    with SquareWatch(cu[-1]) as watch:
+        out = packed_chunk_gated_delta_rule(*inputs, cu)
+        out.sum().backward()
+    assert watch.largest == 0, watch.op
