@@ -62,6 +62,31 @@ TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5")
 VOCAB_MULTIPLE = 64
+# What each tiny checkpoint carries that changes the conversion (docs/models.md's table, written by
+# scripts/models_table.py from these and the measurements)
+FEATURES = {
+    "qwen2": "GQA 4 heads / 2 KV heads, head_dim 32, QKV bias, untied",
+    "qwen3": "QK-norm, no attention bias, head_dim 64 (heads x head_dim = 256 != hidden 128), GQA, untied",
+    "llama": "llama3 rope scaling (factor 8, low/high_freq_factor 1/4, original context 64), GQA, untied",
+    "mistral": "Llama's layers under `model_type: mistral` (mbridge's LLaMA bridge), no sliding window, GQA, "
+               "head_dim 32, untied",
+    "qwen3_moe": "8 experts, top-2, norm_topk_prob, QK-norm, GQA, untied",
+    "mixtral": "8 experts, top-2 renormalised (softmax of the top-2 logits), HF's `block_sparse_moe` names, GQA, "
+               "untied",
+    "qwen2_moe": "8 experts, top-2 of the full softmax (`norm_topk_prob: false`), a shared expert (MLP 128) scaled "
+                 "by sigmoid(`shared_expert_gate`), QKV bias, GQA, untied",
+    "deepseek_v3": "multi-head latent attention: 4 heads, queries through a rank-64 latent with its norm, keys and "
+                   "values from one 512-wide latent with its norm plus one 64-wide rope key shared by the heads "
+                   "(rope on interleaved pairs), q/k head dim 32 + 64, v head dim 32; 3 layers, the first dense "
+                   "(`first_k_dense_replace: 1`, MLP 256), then 8 routed experts in 2 groups, top-2 within the "
+                   "best group by sigmoid score plus a per-expert correction bias (drawn, not 0), renormalised "
+                   "and scaled by `routed_scaling_factor` 2.5; one ungated shared expert (MLP 64); untied",
+    "qwen3_5": "`qwen3_5_text`, Qwen3.5's hybrid: layers 0-2 gated DeltaNet (2 key / 4 value heads of 128, a "
+               "causal convolution of 4, per-head decay `A_log` and `dt_bias`, a gated output norm), layer 3 gated "
+               "full attention (4 heads / 2 KV heads of 32, each head's output scaled by sigmoid of its gate from "
+               "`q_proj`, QK-norm), rope on 8 of each head's 32 dims (`partial_rotary_factor` 0.25), every norm "
+               "zero-centred (x (1 + w)), untied",
+}
 
 
 def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
