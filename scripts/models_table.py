@@ -28,8 +28,7 @@ LOGITS = re.compile(rf"^(\w+) (\w+): max \|logit - HF\| = {NUMBER} packed, {NUMB
 STEP = re.compile(rf"^(\w+) (\w+) vs tp1: max \|weight diff\| after one step = {NUMBER}")
 # Layouts the suite leaves out for a family, and why (tests/test_model_families.py SKIPPED)
 NOT_RUN = {("qwen2", "tp2"): "the suite runs qwen2's TP 2 on the base model (test_trainer_megatron.py)",
-           ("mistral", "tp2"): "llama's bridge and layers, whose TP 2 the suite runs",
-           ("qwen3_5", "tp2"): "refused: its DeltaNet layers are built for TP 1"}
+           ("mistral", "tp2"): "llama's bridge and layers, whose TP 2 the suite runs"}
 
 
 def _tiny_model_module():

@@ -61,8 +61,7 @@ MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 LAYOUTS = {"tp1": (1, 1, 1, 1), "tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "ep2": (1, 1, 2, 2)}
 # qwen2's TP 2 (GQA with QKV bias) is the base model's (test_trainer_megatron) and qwen3's / llama's;
 # mistral's is llama's (the same bridge and layers; measured once: docs/models.md).
-# qwen3_5's gated-DeltaNet layers are built for TP 1 (TP 2 is refused: test_features_...).
-SKIPPED = {("qwen2", "tp2"), ("mistral", "tp2"), ("qwen3_5", "tp2")}
+SKIPPED = {("qwen2", "tp2"), ("mistral", "tp2")}
 CASES = [(arch, layout) for arch in FAMILIES for layout in ("tp1", "tp2") if (arch, layout) not in SKIPPED] + [
     ("qwen3", "pp2"), ("qwen3", "dp2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "ep2"), ("mixtral", "ep2"),
     ("qwen2_moe", "ep2")]
@@ -73,6 +72,11 @@ LOGIT_ATOL = 1e-4
 # gradient off by a factor shows through Adam's eps as ~1e-4 (the MoE at TP 2 before its experts'
 # TP-fold gradients were divided), a sign flip as 2e-3.
 STEP_ATOL = 5e-5
+# Qwen3.5's tiny model is ~10x more sensitive to rounding: a 1e-7 relative change of one layer's
+# output moves its logits by 1.2e-5 (measured on HF), so TP 2's summation order gives logits 5.9e-5
+# off (others: ~2e-6) and elements whose gradient is below Adam's eps a step up to 2.1e-4 off TP 1's.
+# Its DeltaNet output norm's gradient not summed over the ranks gave 2.0e-3 (and a grad norm 1.4e-4 off).
+STEP_ATOL_OF = {"qwen3_5": 5e-4}
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")  # HF's names: mlp.experts.E. (qwen), block_sparse_moe.experts.E.
 # Two rows of 64 tokens: long enough that llama3's rescaled frequencies change the logits by ~1.
 TOKEN_IDS = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0)).tolist()
@@ -111,8 +115,8 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
             "model.layers.1.block_sparse_moe.experts.7.w3.weight"} <= names["mixtral"]
     assert {"model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.down_proj.weight",
             "model.layers.1.mlp.experts.7.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"} <= names["qwen2_moe"]
-    for arch, path in tiny_models.items():
-        hf = read_model_config(str(path), tp_size=1 if arch == "qwen3_5" else 2)
+    for path in tiny_models.values():
+        hf = read_model_config(str(path), tp_size=2)
         assert hf.vocab_size % 64 == 0 and hf.vocab_size >= len(AutoTokenizer.from_pretrained(path))
         # grouped-query attention, but for DeepSeek's latent attention (every head reads one latent)
         assert hf.num_key_value_heads < hf.num_attention_heads or hf.model_type == "deepseek_v3"
@@ -203,10 +207,11 @@ def test_features_the_conversion_does_not_cover_are_refused():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
     assert "not divisible" in model_config_problems(LlamaConfig(**{**ok, "vocab_size": 321}), tp_size=2)[0]
-    hybrid = Qwen3_5TextConfig(**ok, head_dim=32, layer_types=["linear_attention"])
-    assert model_config_problems(hybrid, tp_size=1) == []  # its partial rope included
-    assert model_config_problems(hybrid, tp_size=2) == [
-        "trainer.tensor_parallel_size=2 (its gated-DeltaNet layers are built for 1)"]
+    hybrid = Qwen3_5TextConfig(**ok, head_dim=32, layer_types=["linear_attention"], linear_num_key_heads=2,
+                               linear_num_value_heads=4)
+    assert model_config_problems(hybrid, tp_size=2) == []  # its partial rope included
+    assert model_config_problems(hybrid, tp_size=4) == [
+        "linear_num_key_heads 2 / linear_num_value_heads 4 not divisible by trainer.tensor_parallel_size=4"]
 
 
 # Published checkpoints' config.json at a tiny size: their keys as published (absent, null, the
@@ -292,8 +297,9 @@ def test_what_is_not_built_for_qwen3_5_is_refused_at_validation_in_one_line_each
     assert [p.split(":")[0] for p in ours] == [
         "trainer.pipeline_parallel_size=2", "trainer.lora.rank=8", f"model.path={str(path)!r}"]
     assert "vLLM-CPU engine is not built yet" in ours[-1]
-    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size=2 .its gated-DeltaNet layers are built for 1"):
-        validate_config(compose(["recipe=arith", f"model.path={path}", "trainer.tensor_parallel_size=2"]), trains=True)
+    with pytest.raises(ConfigError, match="linear_num_key_heads 2 / linear_num_value_heads 4 not divisible by "
+                                          "trainer.tensor_parallel_size=4"):
+        validate_config(compose(["recipe=arith", f"model.path={path}", "trainer.tensor_parallel_size=4"]), trains=True)
 
 
 def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):
@@ -444,7 +450,7 @@ def test_one_train_step_moves_every_weight(probed):
               f"loss {m['train/loss']:.6f} vs {ref['train/loss']:.6f}")
         assert m["train/loss"] == pytest.approx(ref["train/loss"], rel=1e-5)
         assert m["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)  # DP: averaged, not summed
-        assert diff < STEP_ATOL
+        assert diff < STEP_ATOL_OF.get(probed.arch, STEP_ATOL)
 
 
 @pytest.mark.slow

@@ -48,8 +48,10 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
         problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf.model_type not in HYBRID_MODEL_TYPES:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
-    if hf.model_type in HYBRID_MODEL_TYPES and tp_size > 1:
-        problems.append(f"trainer.tensor_parallel_size={tp_size} (its gated-DeltaNet layers are built for 1)")
+    if hf.model_type in HYBRID_MODEL_TYPES and (hf.linear_num_key_heads % tp_size
+                                                or hf.linear_num_value_heads % tp_size):
+        problems.append(f"linear_num_key_heads {hf.linear_num_key_heads} / linear_num_value_heads "
+                        f"{hf.linear_num_value_heads} not divisible by trainer.tensor_parallel_size={tp_size}")
     if getattr(hf, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
     if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):

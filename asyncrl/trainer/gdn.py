@@ -120,22 +120,32 @@ class GatedRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: this norm's weight as the caller passes it on (default its own)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x.to(dtype) * F.silu(gate.float())).to(dtype)
+        return ((self.weight if weight is None else weight) * x.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
 class PackedGatedDeltaNet(torch.nn.Module):
     """A gated-DeltaNet layer in megatron's self-attention slot, over THD packed rows: the
-    parameters of megatron-core's GatedDeltaNet (in_proj: q, k, v, z, b, a fused; conv1d; A_log;
-    dt_bias; out_norm; out_proj), the forward of HF's Qwen3_5GatedDeltaNet. Tensor parallelism 1."""
+    parameters of megatron-core's GatedDeltaNet (in_proj: q k v, z, b, a; conv1d; A_log; dt_bias;
+    out_norm; out_proj), the forward of HF's Qwen3_5GatedDeltaNet.
+
+    Under tensor parallelism each rank holds nk / tp key heads and nv / tp value heads (every
+    part of in_proj, conv1d's channels, A_log and dt_bias split by head; out_proj by its input,
+    as a row-parallel linear: the ranks' outputs are summed). The heads are independent, so the
+    ranks compute their own; the output norm's weight is every rank's, its gradient summed."""
 
     def __init__(self, config, submodules=None, layer_number: int | None = None, **kwargs):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
         super().__init__()
         self.config, self.layer_number = config, layer_number
-        nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+        tp = mpu.get_tensor_model_parallel_world_size()
+        nk, nv = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp  # this rank's
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.heads = (nk, nv, dk, dv)
         conv = 2 * nk * dk + nv * dv  # q, k and v go through the convolution
@@ -147,9 +157,17 @@ class PackedGatedDeltaNet(torch.nn.Module):
         self.dt_bias = torch.nn.Parameter(torch.ones(nv, dtype=dtype))
         self.out_norm = GatedRMSNorm(dv, config.layernorm_epsilon)
         self.out_proj = torch.nn.Linear(nv * dv, config.hidden_size, bias=False, dtype=dtype)
+        for p, dim in ((self.in_proj.weight, 0), (self.conv1d.weight, 0), (self.A_log, 0), (self.dt_bias, 0),
+                       (self.out_proj.weight, 1)):
+            set_tensor_model_parallel_attributes(p, True, dim, 1)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
         """hidden_states [T, 1, H] (THD) -> ([T, 1, H], None), as megatron's attention returns."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("PackedGatedDeltaNet needs THD packed_seq_params (the trainer passes them for every row)")
         cu = packed_seq_params.cu_seqlens_q_padded
@@ -157,7 +175,7 @@ class PackedGatedDeltaNet(torch.nn.Module):
             raise ValueError("PackedGatedDeltaNet needs the sequence boundaries on the host as cu_seqlens_q_padded")
         cu = cu.tolist()
         nk, nv, dk, dv = self.heads
-        x = hidden_states[:, 0]
+        x = copy_to_tensor_model_parallel_region(hidden_states[:, 0])  # its gradient: every rank's heads'
         # one product per part, as HF's four linears (one fused product differs in the last bit)
         qkv, z, b, a = (F.linear(x, w) for w in self.in_proj.weight.split(self.split))
         qkv = packed_causal_conv1d(qkv, self.conv1d.weight.squeeze(1), cu)
@@ -168,5 +186,6 @@ class PackedGatedDeltaNet(torch.nn.Module):
         if nv > nk:  # each key head serves nv / nk value heads
             q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
         core = packed_chunk_gated_delta_rule(q, k, v, g, beta, cu)
-        core = self.out_norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(-1, nv * dv)
-        return F.linear(core, self.out_proj.weight).unsqueeze(1), None
+        weight = copy_to_tensor_model_parallel_region(self.out_norm.weight)  # shared by the ranks' heads
+        core = self.out_norm(core.reshape(-1, dv), z.reshape(-1, dv), weight).reshape(-1, nv * dv)
+        return reduce_from_tensor_model_parallel_region(F.linear(core, self.out_proj.weight)).unsqueeze(1), None

@@ -48,6 +48,8 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.core.llm_bridge", "LLMBridge._get_gptmodel_args"),
     ("mbridge.core.bridge", "Bridge._weight_to_mcore_format"),
     ("mbridge.core.bridge", "Bridge._weight_to_hf_format"),
+    ("mbridge.core.bridge", "Bridge._weight_split_across_tp"),
+    ("mbridge.core.bridge", "Bridge._weight_merge_across_tp"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -188,7 +190,7 @@ def deepseek_v3_bridge() -> type:
 def qwen3_5_text_bridge() -> type:
     """A bridge for Qwen3.5's text model (asyncrl/trainer/qwen3_5.py), which mbridge lacks: its
     Qwen2 bridge with the gated DeltaNet's names, the gated attention's layout, partial rope and
-    the hybrid layer spec."""
+    the hybrid layer spec; the DeltaNet's fused parameters split over tensor-parallel ranks by head."""
     from mbridge.models.qwen2 import Qwen2Bridge
 
     from asyncrl.trainer import qwen3_5
@@ -225,6 +227,18 @@ def qwen3_5_text_bridge() -> type:
             if parts is None:
                 return super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
             return self._weight_name_mapping_mcore_to_hf(mcore_weights_name), parts
+
+        def _weight_split_across_tp(self, mcore_weights_name: str, mcore_weights: torch.Tensor, param: torch.Tensor,
+                                    tp_split_size: int) -> list[torch.Tensor]:
+            split = qwen3_5.split_for_tp(mcore_weights_name, mcore_weights, self.hf_config, tp_split_size)
+            return split if split is not None else super()._weight_split_across_tp(
+                mcore_weights_name, mcore_weights, param, tp_split_size)
+
+        def _weight_merge_across_tp(self, mcore_weights_name: str, mcore_weights: list[torch.Tensor],
+                                    param: torch.Tensor) -> torch.Tensor:
+            merged = qwen3_5.merge_from_tp(mcore_weights_name, mcore_weights, self.hf_config)
+            return merged if merged is not None else super()._weight_merge_across_tp(
+                mcore_weights_name, mcore_weights, param)
 
     return Qwen3_5TextBridge
 

@@ -13,8 +13,9 @@ and its torch norms refuse zero-centred weights. So, registered for mbridge's Au
 - the weights: the DeltaNet's four input projections fused into megatron's `in_proj` (q k v, z,
   b, a), and q_proj's per-head [query | gate] re-laid per query group as megatron's gated
   linear_qkv wants ([queries, gates, key, value]); both by cat / split / view, so the export is
-  the checkpoint bit for bit.
-Tensor and pipeline parallelism 1 (refused otherwise at validation: config/models.py).
+  the checkpoint bit for bit; under tensor parallelism the DeltaNet's are split by head
+  (`split_for_tp`).
+One pipeline stage (more are refused at validation: config/models.py).
 """
 
 from __future__ import annotations
@@ -104,11 +105,41 @@ def gptmodel_args(hf: Any) -> dict[str, Any]:
     return {"rotary_percent": (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)}
 
 
-def _in_proj_rows(hf: Any) -> list[int]:
-    """in_proj's parts: q k v (through the convolution), z, b, a."""
+def _head_parts(name: str, hf: Any) -> list[int] | None:
+    """The rows of a DeltaNet parameter split by head, part by part (None: not one of them): in_proj's
+    q, k, v, z, b, a; conv1d's q, k, v channels."""
     keys = hf.linear_num_key_heads * hf.linear_key_head_dim
     values = hf.linear_num_value_heads * hf.linear_value_head_dim
-    return [2 * keys + values, values, hf.linear_num_value_heads, hf.linear_num_value_heads]
+    if "self_attention.in_proj.weight" in name:
+        return [keys, keys, values, values, hf.linear_num_value_heads, hf.linear_num_value_heads]
+    if "self_attention.conv1d.weight" in name:
+        return [keys, keys, values]
+    return None
+
+
+def _in_proj_rows(hf: Any) -> list[int]:
+    """in_proj's HF tensors: in_proj_qkv (q k v, through the convolution), in_proj_z, _b, _a."""
+    q, k, v, z, b, a = _head_parts("self_attention.in_proj.weight", hf)
+    return [q + k + v, z, b, a]
+
+
+def split_for_tp(name: str, weights: torch.Tensor, hf: Any, tp: int) -> list[torch.Tensor] | None:
+    """Each tensor-parallel rank's rows of a DeltaNet parameter: its heads of every part (None:
+    not one of them)."""
+    parts = _head_parts(name, hf)
+    if parts is None:
+        return None
+    chunks = [part.chunk(tp, dim=0) for part in weights.split(parts, dim=0)]
+    return [torch.cat([c[rank] for c in chunks], dim=0) for rank in range(tp)]
+
+
+def merge_from_tp(name: str, shards: list[torch.Tensor], hf: Any) -> torch.Tensor | None:
+    """The inverse of `split_for_tp`."""
+    parts = _head_parts(name, hf)
+    if parts is None:
+        return None
+    pieces = [shard.split([p // len(shards) for p in parts], dim=0) for shard in shards]
+    return torch.cat([piece[i] for i in range(len(parts)) for piece in pieces], dim=0)
 
 
 def to_mcore(name: str, hf_weights: list[torch.Tensor], hf: Any) -> torch.Tensor | None:
