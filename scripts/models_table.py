@@ -27,7 +27,7 @@ NUMBER = r"([-+.\de]+)"
 LOGITS = re.compile(rf"^(\w+) (\w+): max \|logit - HF\| = {NUMBER} packed, {NUMBER} alone")
 STEP = re.compile(rf"^(\w+) (\w+) vs tp1: max \|weight diff\| after one step = {NUMBER}")
 # Layouts the suite leaves out for a family, and why (tests/test_model_families.py SKIPPED)
-NOT_RUN = {("qwen2", "tp2"): "the suite runs qwen2's TP 2 on the base model (test_trainer_megatron.py)",
+NOT_RUN = {("qwen2", "tp2"): "the suite runs qwen2's TP 2 on the base model: test_trainer_megatron.py",
            ("mistral", "tp2"): "llama's bridge and layers, whose TP 2 the suite runs"}
 
 
