@@ -195,8 +195,8 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
     for i, (role, _) in enumerate(roles):
         slots = getattr(placement, role) if role in ("engine", "trainer", "worker") \
             else placement.services.setdefault(role, [])
-        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(role, role),
-                                     len(slots), 0))
+        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(
+            role, role.replace("_", "-")), len(slots), 0))  # as the actors are named (create_service)
         slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement

@@ -92,6 +92,42 @@ def test_a_process_reward_model_scores_each_step_at_its_last_token_and_aggregate
         assert batched[2] == 0.0  # no step, no score
 
 
+def test_a_process_reward_model_places_the_steps_after_its_chat_templates_prompt(process_reward_model, tmp_path):
+    """Through a chat template the response follows the template's generation prompt (a step whose
+    text is in the prompt too is placed in the response); a template that rewrites the
+    response (here: trims it) leaves nothing to place the steps by: a clear error, which the worker
+    counts as prm_error."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from agent_loops.chat import load_named_template
+
+    chat = tmp_path / "chat_prm"
+    shutil.copytree(process_reward_model, chat)
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": load_named_template("chatml")}))
+    actor = RewardModelActor(RewardModelSettings(str(chat), max_batch=4, max_length=256, step_separator="\n"))
+    prompt, response = "12 + 7 = 19\n12 + 7 =", "12 + 7 = 19\nAnswer: 19"  # the first step is in the prompt too
+    text = actor.text(RewardRequest(prompt, response))
+    start = text.rindex(response)
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    model = AutoModelForTokenClassification.from_pretrained(chat, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(**tokenizer(text, return_tensors="pt")).logits[0, :, 0]
+    steps = [float(logits[len(tokenizer(text[:end])["input_ids"]) - 1])
+             for end in (start + len("12 + 7 = 19"), start + len(response))]
+    assert asyncio.run(actor.score([RewardRequest(prompt, response)])) == [pytest.approx(min(steps), abs=1e-5)]
+    trimming = json.loads((chat / "tokenizer_config.json").read_text())
+    trimming["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}\n{% endfor %}"
+                                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (chat / "tokenizer_config.json").write_text(json.dumps(trimming))
+    trimmed = RewardModelActor(RewardModelSettings(str(chat), max_batch=4, max_length=256, step_separator="\n"))
+    with pytest.raises(ValueError, match="chat template rewrites the response"):
+        asyncio.run(trimmed.score([RewardRequest(prompt, " Answer: 19\n")]))
+
+
 def test_only_a_one_output_sequence_classifier_is_a_reward_model(reward_model, base_model, tmp_path):
     assert reward_model_problem(str(reward_model)) is None
     assert reward_model_problem(str(base_model)) == (

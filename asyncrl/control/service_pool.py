@@ -16,7 +16,8 @@ from asyncrl.reward.services import Served, served
 class ServicePool:
     def __init__(self, cfg: Config, slots: dict[str, list[actors.Options]] | None = None):
         """Start every served model of `cfg`, each replica in its bundle (`slots`, by name: the
-        run's placement) at once, and wait until all serve."""
+        run's placement), one service after another (a service's replicas at once), and wait until
+        all serve."""
         self.cfg, self.slots = cfg, slots or {}
         self.served: dict[str, Served] = {s.name: s for s in served(cfg)}
         self.actors: dict[str, list[ServiceHandle]] = {

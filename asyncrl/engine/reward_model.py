@@ -69,6 +69,9 @@ class RewardModelActor:
         if settings.device == "cpu" and settings.threads:  # torch would take every core, beside the engines
             torch.set_num_threads(settings.threads)
         self.tokenizer = AutoTokenizer.from_pretrained(settings.path)
+        if settings.step_separator and not self.tokenizer.is_fast:
+            raise ValueError(f"{settings.path}: a process reward model needs a fast tokenizer (tokenizer.json): "
+                             "its steps are placed by the tokens' character offsets")
         self.tokenizer.truncation_side = "left"  # keep the response
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -91,11 +94,20 @@ class RewardModelActor:
         return request.prompt + request.response
 
     def sample(self, request: RewardRequest) -> Sample:
-        """The text, and for a process reward model where each step of the response ends in it."""
+        """The text, and for a process reward model where each step of the response ends in it.
+        ValueError (the sample's score fails, counted) where the chat template rewrote the response."""
         text = self.text(request)
         if not self.settings.step_separator:
             return Sample(text)
-        start = text.rfind(request.response) if request.response else len(text)
+        # the response starts after the prompt as the model reads it: a template's generation prompt
+        before = request.prompt
+        if self.tokenizer.chat_template:
+            turns = request.messages or [{"role": "user", "content": request.prompt}]
+            before = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        start = text.find(request.response, len(before)) if text.startswith(before) else -1
+        if start < 0:
+            raise ValueError("the process reward model's chat template rewrites the response (not found in the "
+                             "text it reads): its steps cannot be placed")
         ends, at = [], start
         for step in request.response.split(self.settings.step_separator):
             at += len(step)

@@ -68,17 +68,19 @@ class ValueHead(torch.nn.Module):
 class Critic:
     """The value model of one trainer rank (built after megatron's parallel state)."""
 
-    def __init__(self, settings: TrainerSettings, device: torch.device, dtype: torch.dtype, use_te: bool):
+    def __init__(self, settings: TrainerSettings, device: torch.device, dtype: torch.dtype):
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
-        from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge
+        from asyncrl.trainer.hf_bridge import build_gpt_model, load_bridge, uses_transformer_engine
 
         self.spec = settings.algorithm.critic  # algorithm.critic
+        self.path = self.spec.path or settings.model.path
+        # its own layers' kind: a critic of another family than the policy's may take other layers
+        use_te = uses_transformer_engine(self.path, device.type == "cpu")
         self.device, self.dtype, self.use_te = device, dtype, use_te
         self.dp_size = mpu.get_data_parallel_world_size()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
-        self.path = self.spec.path or settings.model.path
         self.lr = self.spec.lr or settings.trainer.lr
         self.whiten = settings.algorithm.loss.normalize_adv_std  # the advantages, over the step's tokens
         # a bridge of its own: megatron keeps the schedule's hooks (DDP's, the loss scale) in the

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config.models import QWEN3_5_TEXT, checkpoint_model_type, model_problem
+from asyncrl.config.models import QWEN3_5_TEXT, model_problem
 from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat, megatron_cpu
 
@@ -64,9 +64,14 @@ def transformer_engine_available() -> bool:
 
 
 def uses_transformer_engine(model_path: str, on_cpu: bool) -> bool:
-    """Whether the trainer builds Transformer Engine's layers for this checkpoint: on a GPU where TE
-    imports, but for the model types whose layers are our own (LOCAL_LAYERS_ONLY)."""
-    return not on_cpu and checkpoint_model_type(model_path) not in LOCAL_LAYERS_ONLY and transformer_engine_available()
+    """Whether the trainer builds Transformer Engine's layers for this checkpoint (a directory or
+    a Hub id): on a GPU where TE imports, but for the model types whose layers are our own
+    (LOCAL_LAYERS_ONLY)."""
+    if on_cpu or not transformer_engine_available():
+        return False
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).model_type not in LOCAL_LAYERS_ONLY
 
 
 def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:

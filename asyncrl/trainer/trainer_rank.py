@@ -188,7 +188,7 @@ class TrainerRank:
         if self.advantage_plan.needs_critic:
             from asyncrl.trainer.critic import Critic
 
-            self.critic = Critic(self.settings, self.device, self.dtype, self.use_te)
+            self.critic = Critic(self.settings, self.device, self.dtype)
         self.plan = BucketPlan.build(self._export_specs(), int(t.weight_sync_bucket_mb * 2**20),
                                      int(t.weight_sync_in_place_mb * 2**20))
         if self.settings.algorithm.policy_lag:  # the base policy is version 0 of the engines' lagged weights
