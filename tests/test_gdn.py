@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from asyncrl.trainer.gdn import packed_causal_conv1d, packed_chunk_gated_delta_rule
+from asyncrl.trainer.gdn import (
+    packed_causal_conv1d,
+    packed_chunk_gated_delta_rule,
+    packed_chunk_gated_delta_rule_with_state,
+    recurrent_gated_delta_rule_step,
+)
 from tests.trainer_scale_probe import SquareWatch
 
 LENGTHS = [3, 70, 130, 1, 64]  # the convolution's kernel is 4; chunks of 64
@@ -47,6 +52,33 @@ def test_the_packed_delta_rule_is_hfs_on_each_sequence_alone():
     # the state restarts at every sequence: the second sequence alone is its part of the row
     second = packed_chunk_gated_delta_rule(*(x[cu[1]:cu[2]] for x in inputs), [0, LENGTHS[1]])
     assert torch.equal(second, packed[cu[1]:cu[2]])
+
+
+def test_a_prompt_continued_from_a_state_and_then_decoded_is_hfs():
+    """What a serving engine does with it: each sequence of a packed prefill starts from a state of
+    its own and hands back its final state (HF's chunked rule with initial_state on each sequence
+    alone: to the last bit), and single tokens then continue from those states (HF's recurrent rule:
+    within fp32 rounding)."""
+    lengths = [3, 70, 0, 130, 1, 64]  # (an empty sequence keeps its state)
+    cu, inputs = _row(lengths)
+    inputs = [x.detach() for x in inputs]
+    heads, dk, dv = inputs[0].shape[1], inputs[0].shape[2], inputs[2].shape[2]
+    initial = torch.randn(len(lengths), heads, dk, dv, generator=torch.Generator().manual_seed(4))
+    out, final = packed_chunk_gated_delta_rule_with_state(*inputs, cu, initial)
+    assert torch.equal(final[2], initial[2])
+    for s, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if a == b:
+            continue
+        q, k, v, g, beta = (x[a:b][None] for x in inputs)
+        ref, ref_final = hf.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial[s:s + 1],
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(out[a:b], ref[0]) and torch.equal(final[s], ref_final[0]), s
+    _, (q, k, v, g, beta) = _row([1] * len(lengths), heads, dk, dv, seed=5)
+    step, after = recurrent_gated_delta_rule_step(q, k, v, g, beta, final)
+    ref, ref_after = hf.torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g=g[:, None],
+                                                         beta=beta[:, None], initial_state=final,
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert torch.allclose(step, ref[:, 0], atol=1e-6) and torch.allclose(after, ref_after, atol=1e-6)
 
 
 def test_the_packed_convolution_is_hfs_on_each_sequence_alone():

@@ -44,10 +44,10 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: list
     return torch.cat(out, dim=-1)[0].t().to(x.dtype)
 
 
-def _layout(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, list[int], int]:
+def _layout(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, list[int], int, list[int]]:
     """Where each token goes in the chunk buffer, chunks ordered by (position in the sequence,
     sequence longest first): (its row in the buffer [T], the sequences at each chunk position,
-    the buffer's chunks)."""
+    the buffer's chunks, the sequences longest first)."""
     lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     chunks = [-(-n // CHUNK) for n in lengths]
     order = sorted(range(len(lengths)), key=lambda s: -chunks[s])
@@ -61,7 +61,7 @@ def _layout(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, 
     seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(cu_seqlens[-1]) - torch.tensor(cu_seqlens[:-1])[seq]
     chunk = torch.tensor(first, dtype=torch.long)[pos // CHUNK] + torch.tensor(rank)[seq]
-    return (chunk * CHUNK + pos % CHUNK).to(device), active, sum(active)
+    return (chunk * CHUNK + pos % CHUNK).to(device), active, sum(active), order
 
 
 def packed_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
@@ -71,8 +71,17 @@ def packed_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value:
     query, key [T, H, Dk] (already repeated to the value heads), value [T, H, Dv], g (log decay,
     <= 0) and beta [T, H]; q and k are l2-normalised here and q scaled by Dk^-0.5 (HF's
     use_qk_l2norm_in_kernel=True). Computed in fp32; returns [T, H, Dv] in value's dtype."""
+    return packed_chunk_gated_delta_rule_with_state(query, key, value, g, beta, cu_seqlens)[0]
+
+
+def packed_chunk_gated_delta_rule_with_state(
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        cu_seqlens: list[int], initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_chunk_gated_delta_rule`, each sequence's recurrent state starting from
+    `initial_state[s]` ([S, H, Dk, Dv] fp32; None: zeros), as a serving engine continues a prompt;
+    returns (output, each sequence's final state [S, H, Dk, Dv] fp32)."""
     dtype, tokens = value.dtype, value.shape[0]
-    rows, active, chunks = _layout(cu_seqlens, value.device)
+    rows, active, chunks, order = _layout(cu_seqlens, value.device)
     query, key = l2norm(query.float()), l2norm(key.float())
     query = query * query.shape[-1] ** -0.5
 
@@ -96,19 +105,44 @@ def packed_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value:
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]
 
     # the scan: position c's chunks are buffer[first : first + active[c]], their sequences' states the
-    # first active[c] of the last step's (longest first: those still going)
+    # first active[c] of the last step's (longest first: those still going); a sequence's final state
+    # is its state when it drops out
     heads, dk, dv = key.shape[1], key.shape[-1], value.shape[-1]
-    state = value.new_zeros(active[0] if active else 0, heads, dk, dv)
-    out, first = [], 0
-    for n in active:
+    sequences = len(cu_seqlens) - 1
+    if initial_state is None:
+        state = value.new_zeros(sequences, heads, dk, dv)
+    else:
+        state = initial_state.float().index_select(0, torch.tensor(order, device=value.device))
+    out, finals, first = [], [state[active[0]:] if active else state], 0
+    for c, n in enumerate(active):
         at = slice(first, first + n)
         state = state[:n]
         v_new = new_values[at] - k_cumdecay[at] @ state
         out.append(query[at] @ state + intra[at] @ v_new)
         state = state * chunk_decay[at] + key[at].transpose(-1, -2) @ v_new
+        finals.append(state[active[c + 1] if c + 1 < len(active) else 0:])
         first += n
+    # ranks ascending: the last step's (the longest sequences), ..., the first step's, those with no chunk
+    by_rank = torch.cat(finals[:0:-1] + finals[:1])
+    final = torch.empty_like(by_rank).index_copy_(0, torch.tensor(order, device=value.device), by_rank)
     core = torch.cat(out).transpose(1, 2).reshape(chunks * CHUNK, heads, dv) if out else value.new_zeros(0, heads, dv)
-    return core.index_select(0, rows).to(dtype) if tokens else core.to(dtype)
+    return (core.index_select(0, rows).to(dtype) if tokens else core.to(dtype)), final
+
+
+def recurrent_gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                                    beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of S sequences through the gated delta rule (HF's
+    torch_recurrent_gated_delta_rule for one step, batched), as a serving engine decodes:
+    query, key [S, H, Dk], value [S, H, Dv], g and beta [S, H], state [S, H, Dk, Dv] fp32;
+    returns (output [S, H, Dv] in value's dtype, the new states)."""
+    dtype = value.dtype
+    query, key = l2norm(query.float()), l2norm(key.float())
+    query = query / (query.shape[-1] ** 0.5)
+    state = state.float() * g.float().exp()[..., None, None]
+    memory = (state * key.unsqueeze(-1)).sum(dim=-2)
+    delta = (value.float() - memory) * beta.float().unsqueeze(-1)
+    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * query.unsqueeze(-1)).sum(dim=-2).to(dtype), state
 
 
 class GatedRMSNorm(torch.nn.Module):
