@@ -40,7 +40,7 @@ from asyncrl.engine.sim_engine import SimEngine
 from asyncrl.interfaces import EngineHandle, QueueHandle, ServiceHandle
 from asyncrl.messages import EngineStartInfo
 from asyncrl.queue.message_queue import MessageQueue
-from asyncrl.reward.services import ENGINE, Served, served
+from asyncrl.reward.services import ENGINE, SPECS, Served, served
 from asyncrl.rollout.admission import StalenessController
 from asyncrl.rollout.worker import RolloutWorker, WorkerSettings, agents_of
 from asyncrl.run_control import RunControl
@@ -195,8 +195,9 @@ def place(cfg: Config, timeout_s: float = 120) -> Placement:
     for i, (role, _) in enumerate(roles):
         slots = getattr(placement, role) if role in ("engine", "trainer", "worker") \
             else placement.services.setdefault(role, [])
-        placement.names.append(_name({"worker": "rollout-worker", "trainer": "trainer-rank"}.get(
-            role, role.replace("_", "-")), len(slots), 0))  # as the actors are named (create_service)
+        actor = {"engine": "engine", "worker": "rollout-worker", "trainer": "trainer-rank"}.get(role) \
+            or SPECS[role].actor
+        placement.names.append(_name(actor, len(slots), 0))
         slots.append({"scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)})
     return placement
@@ -328,7 +329,7 @@ def create_service(cfg: Config, service: Served, index: int, slot: Options | Non
     """Replica `index` of served model `service`, `<name>-<index>` on the dashboard, in its bundle
     `slot`, not ready yet (`start_services`): an EngineActor with the run's engine settings, never
     in a weight sync (so never paused), or a RewardModelActor (and a GPU on GPUs)."""
-    opts: Options = {"name": _name(service.name.replace("_", "-"), index, restart), "num_cpus": service.cpus}
+    opts: Options = {"name": _name(service.spec.actor, index, restart), "num_cpus": service.cpus}
     if service.spec.kind == ENGINE:
         return (ray.remote(EngineActor).options(**opts, max_concurrency=10_000, **(slot or {}))
                 .remote(index, service.path, "", cfg.engine, cfg.cluster.device, False))
@@ -339,7 +340,7 @@ def create_service(cfg: Config, service: Served, index: int, slot: Options | Non
 
 def start_services(service: Served, replicas: list[ServiceHandle], first: int = 0) -> None:
     """Wait until these replicas of `service` (indices from `first`) serve: engines started, models loaded."""
-    name = service.name.replace("_", "-")
+    name = service.spec.actor
     if service.spec.kind != ENGINE:
         t0 = time.monotonic()
         for i, pid in enumerate(ray.get([r.pid.remote() for r in replicas]), first):  # answered once loaded

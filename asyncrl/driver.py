@@ -34,7 +34,7 @@ from asyncrl.agents.registry import build_agents
 from asyncrl.clock import Clock
 from asyncrl.config.schema import Config
 from asyncrl.config.validate import latest_checkpoint
-from asyncrl.control import TrainingError
+from asyncrl.control import TrainingError, kill
 from asyncrl.control.elastic import Elastic
 from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.periodic_eval import PeriodicEvaluation
@@ -52,7 +52,7 @@ from asyncrl.control.step_metrics import (
 )
 from asyncrl.control.supervisor import Supervisor
 from asyncrl.control.weight_sync import EnginesFailed
-from asyncrl.control.worker_pool import WorkerPool, kill
+from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.evaluation import EvalResult, evaluate_with_workers
 from asyncrl.interfaces import QueueHandle
 from asyncrl.messages import ControlRequest, FaultEvent, QueueStats, error_line

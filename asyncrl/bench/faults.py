@@ -191,7 +191,7 @@ def run_faults_bench(cfg: Config, bench: BenchConfig) -> dict[str, Any]:
                     break
                 seen = len(_events(run_dir, kind))
                 if kind in running:
-                    victim = f"{kind.replace('_', '-')}-0"
+                    victim = f"{SPECS[kind].actor}-0"
                     kill_engine_core(logged_pid(logs, victim))
                 else:
                     victim = VICTIMS[kind]

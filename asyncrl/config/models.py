@@ -200,11 +200,3 @@ def reward_model_problem(path: str, process: bool = False) -> str | None:
     if labels != 1:
         return f"it has {labels} outputs; a {what} has one score (num_labels=1)"
     return None
-    classes = [a for a in raw.get("architectures") or [] if a.endswith("ForSequenceClassification")]
-    labels = raw.get("num_labels", len(raw.get("id2label") or {}) or 2)
-    if not classes:
-        return (f"its architectures {raw.get('architectures')} hold no sequence classifier "
-                "(a reward model is a *ForSequenceClassification checkpoint)")
-    if labels != 1:
-        return f"it has {labels} outputs; a reward model has one score (num_labels=1)"
-    return None

@@ -21,9 +21,9 @@ import ray
 
 from asyncrl import actors
 from asyncrl.config.schema import Config
-from asyncrl.control import TrainingError
+from asyncrl.control import TrainingError, kill
 from asyncrl.control.weight_sync import WeightSync
-from asyncrl.control.worker_pool import WorkerPool, kill
+from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.interfaces import EngineHandle
 from asyncrl.messages import EngineActivity, FaultEvent, ScaleEvent, error_line
 from asyncrl.trainer.trainer_group import TrainerGroup

@@ -9,6 +9,7 @@ import ray
 
 from asyncrl import actors
 from asyncrl.config.schema import Config
+from asyncrl.control import kill
 from asyncrl.interfaces import ServiceHandle
 from asyncrl.reward.services import Served, served
 
@@ -36,10 +37,7 @@ class ServicePool:
 
     def replace(self, name: str, index: int, restart: int) -> ServiceHandle:
         """A new replica `index` of service `name` in the dead one's bundle (the old one killed), serving."""
-        try:
-            ray.kill(self.actors[name][index])
-        except Exception:  # already gone
-            pass
+        kill(self.actors[name][index])
         service = self.served[name]
         new = actors.create_service(self.cfg, service, index, actors.slot(self.slots.get(name), index), restart)
         actors.start_services(service, [new], first=index)
@@ -49,7 +47,4 @@ class ServicePool:
     def shutdown(self) -> None:
         for replicas in self.actors.values():
             for actor in replicas:
-                try:
-                    ray.kill(actor)
-                except Exception:  # already gone
-                    pass
+                kill(actor)

@@ -29,7 +29,7 @@ from asyncrl.control.engine_pool import EnginePool
 from asyncrl.control.service_pool import ServicePool
 from asyncrl.control.worker_pool import WorkerPool
 from asyncrl.messages import FaultEvent, PendingGroupState, ScaleEvent, error_line
-from asyncrl.reward.services import restart_setting
+from asyncrl.reward.services import SPECS, restart_setting
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Supervisor:
         """A new replica of a served model; the samples the dead one was scoring got reward 0
         (counted as <name>_error), their prompts go on."""
         self.count_restart(name, restart_setting(name), why)
-        actor = f"{name.replace('_', '-')}-{i}"
+        actor = f"{SPECS[name].actor}-{i}"
         event = FaultEvent(name, actor, self.step(), why)
         logger.warning("%s failed: %s; starting a replacement", actor, why)
         t0 = time.monotonic()

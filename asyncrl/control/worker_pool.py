@@ -9,12 +9,12 @@ replaces it) and the call is made again on its replacement. Stats are fetched on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import ray
 
 from asyncrl import actors
 from asyncrl.config.schema import Config
+from asyncrl.control import kill
 from asyncrl.control.service_pool import ServicePool
 from asyncrl.interfaces import EngineHandle, QueueHandle, ServiceHandle
 from asyncrl.messages import Admitted, PendingGroupState, WorkerStats
@@ -150,10 +150,3 @@ class WorkerPool:
         """The run is over."""
         for actor in self.handles:
             kill(actor)
-
-
-def kill(actor: Any) -> None:
-    try:
-        ray.kill(actor)
-    except Exception:  # already gone
-        pass

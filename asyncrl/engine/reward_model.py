@@ -85,12 +85,16 @@ class RewardModelActor:
         self._worker: asyncio.Task | None = None
         self.samples = self.passes = 0  # scored so far, and the forward passes that scored them
 
+    @staticmethod
+    def _turns(request: RewardRequest) -> list[dict]:
+        """The conversation before the response: the prompt's messages, or its text as one user turn."""
+        return request.messages or [{"role": "user", "content": request.prompt}]
+
     def text(self, request: RewardRequest) -> str:
         """The sample as the reward model reads it."""
         if self.tokenizer.chat_template:
-            turns = request.messages or [{"role": "user", "content": request.prompt}]
             return self.tokenizer.apply_chat_template(
-                [*turns, {"role": "assistant", "content": request.response}], tokenize=False)
+                [*self._turns(request), {"role": "assistant", "content": request.response}], tokenize=False)
         return request.prompt + request.response
 
     def sample(self, request: RewardRequest) -> Sample:
@@ -102,8 +106,8 @@ class RewardModelActor:
         # the response starts after the prompt as the model reads it: a template's generation prompt
         before = request.prompt
         if self.tokenizer.chat_template:
-            turns = request.messages or [{"role": "user", "content": request.prompt}]
-            before = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            before = self.tokenizer.apply_chat_template(self._turns(request), tokenize=False,
+                                                        add_generation_prompt=True)
         start = text.find(request.response, len(before)) if text.startswith(before) else -1
         if start < 0:
             raise ValueError("the process reward model's chat template rewrites the response (not found in the "

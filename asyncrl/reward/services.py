@@ -39,6 +39,11 @@ class ServiceSpec:
     restarts: str  # its replacements count against run.max_<restarts>_restarts
     path_key: str = "path"  # the section's field naming the model
 
+    @property
+    def actor(self) -> str:
+        """Its replicas' name on the dashboard and in the logs: `<actor>-<i>`."""
+        return self.name.replace("_", "-")
+
 
 SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("reward_model", "reward.model", HF_MODEL, RewardModelClient, weighted=True, restarts="reward"),

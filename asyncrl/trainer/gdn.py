@@ -71,7 +71,7 @@ def packed_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value:
     query, key [T, H, Dk] (already repeated to the value heads), value [T, H, Dv], g (log decay,
     <= 0) and beta [T, H]; q and k are l2-normalised here and q scaled by Dk^-0.5 (HF's
     use_qk_l2norm_in_kernel=True). Computed in fp32; returns [T, H, Dv] in value's dtype."""
-    return packed_chunk_gated_delta_rule_with_state(query, key, value, g, beta, cu_seqlens)[0]
+    return _chunked_rule(query, key, value, g, beta, cu_seqlens, None, final=False)[0]
 
 
 def packed_chunk_gated_delta_rule_with_state(
@@ -80,6 +80,14 @@ def packed_chunk_gated_delta_rule_with_state(
     """`packed_chunk_gated_delta_rule`, each sequence's recurrent state starting from
     `initial_state[s]` ([S, H, Dk, Dv] fp32; None: zeros), as a serving engine continues a prompt;
     returns (output, each sequence's final state [S, H, Dk, Dv] fp32)."""
+    return _chunked_rule(query, key, value, g, beta, cu_seqlens, initial_state, final=True)
+
+
+def _chunked_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: list[int], initial_state: torch.Tensor | None,
+                  final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rule, and with `final` each sequence's final state (a serving engine's; the trainer needs
+    none, and gathering one [H, Dk, Dv] state a sequence on every layer's forward is not free)."""
     dtype, tokens = value.dtype, value.shape[0]
     rows, active, chunks, order = _layout(cu_seqlens, value.device)
     query, key = l2norm(query.float()), l2norm(key.float())
@@ -120,13 +128,16 @@ def packed_chunk_gated_delta_rule_with_state(
         v_new = new_values[at] - k_cumdecay[at] @ state
         out.append(query[at] @ state + intra[at] @ v_new)
         state = state * chunk_decay[at] + key[at].transpose(-1, -2) @ v_new
-        finals.append(state[active[c + 1] if c + 1 < len(active) else 0:])
+        if final:
+            finals.append(state[active[c + 1] if c + 1 < len(active) else 0:])
         first += n
+    core = torch.cat(out).transpose(1, 2).reshape(chunks * CHUNK, heads, dv) if out else value.new_zeros(0, heads, dv)
+    output = core.index_select(0, rows).to(dtype) if tokens else core.to(dtype)
+    if not final:
+        return output, None
     # ranks ascending: the last step's (the longest sequences), ..., the first step's, those with no chunk
     by_rank = torch.cat(finals[:0:-1] + finals[:1])
-    final = torch.empty_like(by_rank).index_copy_(0, torch.tensor(order, device=value.device), by_rank)
-    core = torch.cat(out).transpose(1, 2).reshape(chunks * CHUNK, heads, dv) if out else value.new_zeros(0, heads, dv)
-    return (core.index_select(0, rows).to(dtype) if tokens else core.to(dtype)), final
+    return output, torch.empty_like(by_rank).index_copy_(0, torch.tensor(order, device=value.device), by_rank)
 
 
 def recurrent_gated_delta_rule_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,

@@ -175,9 +175,10 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         bridge.set_extra_args(recompute_granularity="selective", recompute_modules=["moe" if moe else "mlp"])
     mbridge_compat.map_output_layer(bridge)
     mbridge_compat.skip_single_stage_broadcasts()
-    if not use_te or hf.model_type in LOCAL_LAYERS_ONLY:
-        if hf.model_type not in LOCAL_LAYERS_ONLY:  # (their bridge builds their own local spec)
-            mbridge_compat.use_local_layer_spec(bridge)
+    if hf.model_type in LOCAL_LAYERS_ONLY:  # their bridge builds local layers of its own spec
+        mbridge_compat.map_local_layer_norms(bridge)
+    elif not use_te:
+        mbridge_compat.use_local_layer_spec(bridge)
         mbridge_compat.map_local_layer_norms(bridge)
     return bridge
 
