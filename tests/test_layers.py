@@ -15,12 +15,12 @@ from tests.conftest import REPO
 # Plain data, typed messages, config, RL math, the inference protocol and request channel, the
 # actors' declared interfaces, the weight-sync transports, metrics and logging, the task data, the
 # reward code (rule rewards, user reward functions, recipes' scorers, the served models' table and
-# clients), torch's private calls.
+# clients), torch's private calls, the model operations the engine and the trainer both run.
 BOTTOM = ("asyncrl.types", "asyncrl.messages", "asyncrl.config", "asyncrl.algorithm", "asyncrl.inference",
           "asyncrl.interfaces", "asyncrl.sync", "asyncrl.metrics",
           "asyncrl.monitoring",
           "asyncrl.cpu_cores", "asyncrl.tasks", "asyncrl.reward", "asyncrl.clock",
-          "asyncrl.lognormal", "asyncrl.torch_compat")
+          "asyncrl.lognormal", "asyncrl.torch_compat", "asyncrl.ops")
 AGENT_LOOPS = ("agent_loops",)
 # Each actor's folder, and what (besides the bottom) it may use. Agents and agent loops are
 # libraries the rollout workers run, not actors of their own.

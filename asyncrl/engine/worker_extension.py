@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 # vLLM imports this class while it sets up the worker, before it builds the model and picks kernels.
 vllm_compat.apply_cpu_amx_setting()
+vllm_compat.register_cpu_models()
 
 
 class WeightLoaderExtension:
