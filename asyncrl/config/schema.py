@@ -31,7 +31,7 @@ MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
 # the mixture-of-experts model types the megatron trainer loads (qwen2_moe: with a shared expert;
 # deepseek_v3: multi-head latent attention, shared experts, a sigmoid router with group top-k)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5_moe_text")
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

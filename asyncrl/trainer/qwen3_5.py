@@ -1,5 +1,6 @@
-"""Qwen3.5's text model (model_type qwen3_5_text) in megatron-core: the hybrid of gated-DeltaNet
-linear attention and gated full attention, converted to and from HF's checkpoint exactly.
+"""Qwen3.5's text models (model_type qwen3_5_text, and qwen3_5_moe_text with Qwen2-MoE's experts) in
+megatron-core: the hybrid of gated-DeltaNet linear attention and gated full attention, converted to
+and from HF's checkpoint exactly.
 
 mbridge 0.15.1 has no bridge for it, and megatron-core 0.16.1's own GatedDeltaNet needs
 flash-linear-attention and refuses packed rows, its hybrid layer spec needs Transformer Engine,
@@ -92,12 +93,20 @@ def gated_qkv_to_hf(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -
     return [q_proj.reshape(-1, hidden), key.reshape(-1, hidden), value.reshape(-1, hidden)]
 
 
-def config_args(hf: Any) -> dict[str, Any]:
-    """megatron's TransformerConfig settings for this HF config, beside mbridge's own."""
-    return dict(qk_layernorm=True, attention_output_gate=True, kv_channels=hf.head_dim,
+def config_args(hf: Any, moe: bool = False) -> dict[str, Any]:
+    """megatron's TransformerConfig settings for this HF config, beside mbridge's own; with `moe`,
+    Qwen3.5-MoE's experts: softmax top-k routing (renormalised: hf_bridge sets where the softmax
+    goes) and one shared expert behind a sigmoid gate (hf_bridge sets the gate)."""
+    args = dict(qk_layernorm=True, attention_output_gate=True, kv_channels=hf.head_dim,
                 linear_conv_kernel_dim=hf.linear_conv_kernel_dim, linear_key_head_dim=hf.linear_key_head_dim,
                 linear_value_head_dim=hf.linear_value_head_dim, linear_num_key_heads=hf.linear_num_key_heads,
                 linear_num_value_heads=hf.linear_num_value_heads)
+    if moe:
+        args.update(num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
+                    moe_ffn_hidden_size=hf.moe_intermediate_size, moe_router_score_function="softmax",
+                    moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+                    moe_aux_loss_coeff=hf.router_aux_loss_coef, moe_router_load_balancing_type="none")
+    return args
 
 
 def gptmodel_args(hf: Any) -> dict[str, Any]:
