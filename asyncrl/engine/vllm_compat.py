@@ -118,8 +118,8 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
 GPU_CHECKED_VERSIONS = {"vllm": "0.26.0"}
 
 # What of PRIVATE_NAMES ((module, path)) and SOURCE_FACTS ((module, path, text)) does not hold
-# in GPU_CHECKED_VERSIONS, and why that is harmless there. All of it is vLLM-CPU's MoE packing:
-# repack_cpu_moe_experts runs for CPU engines only (worker_extension checks the device first).
+# in GPU_CHECKED_VERSIONS, and why that is harmless there: all of it is CPU engines' (vLLM-CPU's MoE
+# packing, MLA's rope op, Qwen3.5's DeltaNet core). Checked against the wheel on 2026-11-29.
 DIFFERS_IN_GPU_VERSION: dict[tuple[str, ...], str] = {
     ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts.process_weights_after_loading"):
         "vllm 0.26.0 has no CPUUnquantizedExperts (added by 0.32.0); used on CPU engines only",
@@ -132,6 +132,18 @@ DIFFERS_IN_GPU_VERSION: dict[tuple[str, ...], str] = {
      "self.moe_kernel.fused_experts.process_weights_after_loading(layer)"):
         "vllm 0.26.0's _setup_kernel runs no experts' post-load processing (0.32.0's does): the fact explains "
         "repack_cpu_moe_experts, which runs on CPU engines only",
+    ("vllm.model_executor.layers.mla", "MultiHeadLatentAttentionWrapper.forward",
+     "q = q.view(-1, heads, self.qk_head_dim)"):
+        "vllm 0.26.0 shapes the query alike (`q.view(-1, self.num_heads, self.qk_head_dim)`); the rope op is "
+        "turned off (CPU_MLA_CUSTOM_OPS) on CPU engines only",
+    # Qwen3.5 on vLLM-CPU: register_cpu_models acts on a CPU platform only, so none of it runs on a GPU
+    ("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d", "causal_conv1d_fn_cpu"):
+        "vllm 0.26.0 names it causal_conv1d_torch; used by the CPU engines' DeltaNet core only",
+    ("vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d", "causal_conv1d_update_cpu"):
+        "vllm 0.26.0 names it causal_conv1d_update_torch; used by the CPU engines' DeltaNet core only",
+    ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
+     "ssm_state[no_initial_state] = 0"):
+        "vllm 0.26.0's CPU DeltaNet path is another; the CPU engines' DeltaNet core (0.32.0's) only",
 }
 
 # vLLM-CPU's rotary-embedding kernel (torch.ops._C.rotary_embedding, the CustomOp "rotary_embedding")
@@ -637,7 +649,8 @@ def torch_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, co
                                  bias=layer.conv1d.bias, conv_states=conv_state, query_start_loc=cu,
                                  cache_indices=slot, has_initial_state=has_state,
                                  activation=layer.activation).transpose(0, 1)
-        initial = states[slot.long()] * has_state[:, None, None, None]  # a new sequence starts from zeros
+        # a new sequence starts from zeros (a fill, not a product: a fresh slot may hold any bits)
+        initial = states[slot.long()].masked_fill(~has_state[:, None, None, None], 0)
         out, final = packed_chunk_gated_delta_rule_with_state(
             *rule_inputs(x, a[decode_tokens:end], b[decode_tokens:end]), cu.tolist(), initial)
         states[slot.long()] = final.to(states.dtype)
