@@ -12,12 +12,14 @@ top-2 (always renormalised), HF's block_sparse_moe names; qwen2_moe — 8 routed
 renormalised (Qwen1.5/Qwen2-MoE's setting), a shared expert (MLP 128) behind its sigmoid gate,
 QKV bias; deepseek_v3 — multi-head latent attention, a dense first layer, then 8 routed experts
 in 2 groups chosen by sigmoid score plus a correction bias, and an ungated shared expert;
+glm4_moe — DeepSeek-V3's router and shared expert under GQA attention with QKV bias, QK-norm and
+rope on half of each head (head_dim 64), a dense first layer;
 qwen3_5 (text: `Qwen3_5ForCausalLM`, model_type qwen3_5_text) — Qwen3.5's hybrid: three gated-
 DeltaNet linear-attention layers to one gated full-attention layer (2 key / 4 value heads of 128,
 the head size vLLM-CPU's kernel takes; a short convolution of 4), zero-centred norms, rope on a
 quarter of each head; qwen3_5_moe (`Qwen3_5MoeForCausalLM`, qwen3_5_moe_text) — one DeltaNet and one
 gated-attention layer, each with qwen2_moe's experts (top-2 renormalised, a gated shared expert).
-All: hidden 128, 2 layers (deepseek_v3: 3, the first dense; qwen3_5: 4), MLP
+All: hidden 128, 2 layers (deepseek_v3, glm4_moe: 3, the first dense; qwen3_5: 4), MLP
 256 (experts 64), fp32 safetensors (~1.5-4.4 MB), built in seconds.
 
 The config.json is shaped as the family's published checkpoints are (written by transformers 4):
@@ -47,6 +49,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -63,8 +66,8 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5",
-         "qwen3_5_moe")
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe",
+         "qwen3_5", "qwen3_5_moe")
 VOCAB_MULTIPLE = 64
 # What each tiny checkpoint carries that changes the conversion (docs/models.md's table, written by
 # scripts/models_table.py from these and the measurements)
@@ -85,6 +88,10 @@ FEATURES = {
                    "(`first_k_dense_replace: 1`, MLP 256), then 8 routed experts in 2 groups, top-2 within the "
                    "best group by sigmoid score plus a per-expert correction bias (drawn, not 0), renormalised "
                    "and scaled by `routed_scaling_factor` 2.5; one ungated shared expert (MLP 64); untied",
+    "glm4_moe": "QKV bias, QK-norm, rope on 32 of each head's 64 dims (`partial_rotary_factor` 0.5, NeoX halves), "
+                "GQA; 3 layers, the first dense (MLP 256), then 8 routed experts in 2 groups, top-2 within the best "
+                "group by sigmoid score plus a per-expert correction bias (drawn), renormalised and scaled by "
+                "`routed_scaling_factor` 2.5; one ungated shared expert (MLP 64); untied",
     "qwen3_5": "`qwen3_5_text`, Qwen3.5's hybrid: layers 0-2 gated DeltaNet (2 key / 4 value heads of 128, a "
                "causal convolution of 4, per-head decay `A_log` and `dt_bias`, a gated output norm), layer 3 gated "
                "full attention (4 heads / 2 KV heads of 32, each head's output scaled by sigmoid of its gate from "
@@ -160,6 +167,17 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                                 # DeepSeek's own config keys, which HF's class ignores (it always
                                 # routes so) and vLLM reads (without them: softmax, no bias)
                                 topk_method="noaux_tc", scoring_func="sigmoid")
+    if arch == "glm4_moe":
+        # GLM-4.5's layout at the tiny size: QKV bias, QK-norm, rope on the first half of each head (NeoX),
+        # head_dim 64 (4 x 64 = 256 != hidden 128, as 96 x 128 != 5120); a dense first layer, then 8 routed
+        # experts in 2 groups, top-2 within the best group by sigmoid score plus a correction bias,
+        # renormalised and scaled by 2.5; one ungated shared expert (MLP 64); untied; no MTP layer.
+        return Glm4MoeConfig(**{**common, "num_hidden_layers": 3}, head_dim=64, attention_bias=True,
+                             use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             moe_intermediate_size=64, n_shared_experts=1, routed_scaling_factor=2.5,
+                             norm_topk_prob=True, first_k_dense_replace=1, num_mtp_layers=0,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "partial_rotary_factor": 0.5})
     if arch == "qwen3_5":
         # Qwen3.5's text layers at the tiny size: linear attention in three layers of four, gated
         # full attention (q_proj twice as wide: each head's query, then its output gate) in the

@@ -3,10 +3,11 @@ scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-nor
 llama with llama3 rope scaling; mistral, Llama's layers under its own model_type; qwen3_moe,
 mixtral, qwen2_moe and deepseek_v3 with 8 experts, top-2, renormalised or not, qwen2_moe with a
 gated shared expert, deepseek_v3 with multi-head latent attention, a shared expert and a sigmoid
-router with a correction bias and group-limited top-k; qwen3_5, Qwen3.5's text model: gated-DeltaNet
-layers and a gated attention layer, at TP 1 only) through the megatron trainer at TP 1 and 2,
-for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts split, EP 2) and for every
-MoE family but deepseek_v3 at EP 2 (its measured once): its full-vocabulary
+router with a correction bias and group-limited top-k; glm4_moe, that router under GQA attention with a
+QKV bias, QK-norm and rope on half of each head; qwen3_5 and qwen3_5_moe, Qwen3.5's text models:
+gated-DeltaNet layers and a gated attention layer, dense and with qwen2_moe's experts) through the
+megatron trainer at TP 1 and 2, for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts
+split, EP 2) and for qwen3_moe, mixtral and qwen2_moe at EP 2: its full-vocabulary
 logits equal HF's, its HF export before training is the checkpoint, a train step moves every
 weight, and every layout's step equals TP 1's. The MoE cases replay given routes
 (algorithm.routing_replay=r3) and check every router used them. One trainer per (family, layout)
@@ -35,6 +36,7 @@ from transformers import (
     AutoTokenizer,
     DeepseekV3Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
@@ -51,9 +53,9 @@ from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
 from tests.conftest import REPO, run_cli
 
-FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5",
-            "qwen3_5_moe")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5_moe")
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe",
+            "qwen3_5", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_5_moe")
 # (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2 and
 # mistral, below); one dense and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its
 # experts split over the two ranks, EP 2; plain DP 2 measured once, docs/models.md), and every MoE
@@ -147,6 +149,13 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     assert qwen3_5.layer_types == ["linear_attention"] * 3 + ["full_attention"]
     assert load_file(f"{tiny_models['qwen3_5']}/model.safetensors")["model.layers.3.self_attn.q_proj.weight"].shape \
         == (2 * 4 * 32, 128)
+    # GLM-4.5: QKV bias, QK-norm, heads of 64, a dense first layer, a drawn correction bias, a shared expert
+    assert {"model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.bias",
+            "model.layers.1.self_attn.q_norm.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
+            "model.layers.2.mlp.shared_experts.down_proj.weight", "model.layers.2.mlp.experts.7.up_proj.weight"} \
+        <= names["glm4_moe"]
+    assert not any(k.startswith("model.layers.0.mlp.experts.") for k in names["glm4_moe"])
+    assert read_model_config(str(tiny_models["glm4_moe"])).rope_parameters["partial_rotary_factor"] == 0.5
     # Qwen3.5-MoE: one layer of each kind, both sparse with a gated shared expert
     assert {"model.layers.0.linear_attn.in_proj_z.weight", "model.layers.1.self_attn.q_norm.weight",
             "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.1.mlp.experts.7.up_proj.weight",
@@ -160,7 +169,7 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message
     assert "'gpt2' is not supported" in message
-    assert "qwen2, qwen3, llama, mistral (dense), qwen3_moe, mixtral, qwen2_moe, deepseek_v3 (mixture" in message
+    assert "mistral (dense), qwen3_moe, mixtral, qwen2_moe, deepseek_v3, glm4_moe (mixture of experts)" in message
     # `asyncrl train` refuses it at validation, before Ray starts: exit 2, one line naming the key
     out = run_cli("train", "recipe=arith", f"model.path={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
@@ -210,9 +219,19 @@ def test_features_the_conversion_does_not_cover_are_refused():
     cases["// topk_group 2 != 2"] = DeepseekV3Config(**{**deepseek, "n_group": 4, "topk_group": 2})
     cases["rope_interleave=false"] = DeepseekV3Config(**deepseek, rope_interleave=False)
     assert model_config_problems(DeepseekV3Config(**{**deepseek, "first_k_dense_replace": 1}), tp_size=2) == []
+    cases["num_experts_per_tok 1"] = DeepseekV3Config(**{**deepseek, "num_experts_per_tok": 1, "n_group": 1})
+    # GLM-4.5: DeepSeek-V3's router under GQA with partial rope
+    glm = dict(ok, head_dim=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+               moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    assert model_config_problems(Glm4MoeConfig(**glm), tp_size=2) == []  # its partial rope included
+    cases["norm_topk_prob=false "] = Glm4MoeConfig(**glm, norm_topk_prob=False)
+    cases["// topk_group 2 != 2 "] = Glm4MoeConfig(**{**glm, "n_group": 4, "topk_group": 2})
+    cases["n_shared_experts 0"] = Glm4MoeConfig(**{**glm, "n_shared_experts": 0})
+    cases["tie_word_embeddings=true"] = Glm4MoeConfig(**glm, tie_word_embeddings=True)
     for expected, config in cases.items():
         problems = model_config_problems(config, tp_size=1)
-        assert len(problems) == 1 and expected in problems[0], (expected, problems)
+        assert len(problems) == 1 and expected.strip() in problems[0], (expected, problems)
     assert "not divisible" in model_config_problems(LlamaConfig(**{**ok, "vocab_size": 321}), tp_size=2)[0]
     hybrid = Qwen3_5TextConfig(**ok, head_dim=32, layer_types=["linear_attention"], linear_num_key_heads=2,
                                linear_num_value_heads=4)
@@ -253,6 +272,13 @@ PUBLISHED = {
                                       "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
                                       "type": "yarn"}),
 }
+# GLM-4.5 and GLM-4.5-Air as published (at the tiny sizes; an MTP layer the base model does not read)
+GLM = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", head_dim=16, attention_bias=True,
+           partial_rotary_factor=0.5, rope_theta=1e6, first_k_dense_replace=1, n_routed_experts=8, n_group=1,
+           topk_group=1, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, norm_topk_prob=True,
+           num_nextn_predict_layers=1, tie_word_embeddings=False)
+PUBLISHED["GLM-4.5"] = {**GLM, "use_qk_norm": True, "routed_scaling_factor": 2.5}
+PUBLISHED["GLM-4.5-Air"] = {**GLM, "use_qk_norm": False, "routed_scaling_factor": 1.0}
 # the MixtralConfig transformers 5.19 saves: head_dim null
 PUBLISHED["Mixtral (transformers 5 saved)"] = {**PUBLISHED["Mixtral-8x7B-v0.1"], "head_dim": None}
 PUBLISHED["Qwen3 with head_dim null"] = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=None)

@@ -16,10 +16,11 @@ One engine and one trainer serve the Qwen3-MoE tests here. What is checked:
 
 For the other MoE layouts (Mixtral; Qwen2-MoE, whose shared expert every token goes through,
 behind its sigmoid gate; DeepSeek-V3: multi-head latent attention, a shared expert, a sigmoid router
-with a correction bias and group-limited top-k), and for Qwen3.5's hybrid (gated-DeltaNet layers, served
-in fp32 by asyncrl's torch core: vllm_compat.torch_gdn_core), one engine and one trainer each (`synced`):
-the engine's routes are HF's router top-k, and its greedy logprobs equal the trainer's at the checkpoint
-and again after the weights of a train step (with the engine's routes replayed) were loaded into it.
+with a correction bias and group-limited top-k; GLM-4.5: that router under GQA attention), and for
+Qwen3.5's hybrids (gated-DeltaNet layers, served in fp32 by asyncrl's torch core:
+vllm_compat.torch_gdn_core), one engine and one trainer each (`synced`): the engine's routes are HF's
+router top-k, and its greedy logprobs equal the trainer's at the checkpoint and again after the
+weights of a train step (with the engine's routes replayed) were loaded into it.
 """
 
 from __future__ import annotations
@@ -332,8 +333,8 @@ def test_routes_extend_only_past_the_positions_held():
 # DeepSeek-V3's attention is the kernel choice vLLM-CPU makes by CPU feature (AMX): its case runs with
 # the other CPU's choices too (engine.cpu_amx: "assume" an AMX CPU's here, "off" on an AMX CPU), so that
 # a green suite on either kind of machine is green on both.
-SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume"), ("qwen3_5", "auto"),
-              ("qwen3_5_moe", "auto")] + \
+SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume"), ("glm4_moe", "auto"),
+              ("qwen3_5", "auto"), ("qwen3_5_moe", "auto")] + \
     ([("deepseek_v3", "off")] if cpu_has_amx() else [])
 
 

@@ -27,7 +27,6 @@ UNSUPPORTED_WHY = {
     "gemma3": "mbridge's Gemma 3 bridge (the vision-language model) builds Transformer Engine layers only, with "
               "exact GELU where HF uses the tanh approximation, and the trainer's packed attention has no sliding "
               "window",
-    "glm4_moe": "mbridge has a bridge, not tried here",
 }
 # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
 UNSUPPORTED_WHY["qwen3_next"] = ("its gated-DeltaNet layers are built for Qwen3.5's text models (qwen3_5_text, "
@@ -36,6 +35,8 @@ UNSUPPORTED_WHY.update({
     vl: f"the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type {text}"
     for vl, text in (("qwen3_5", "qwen3_5_text (Qwen3_5ForCausalLM)"),
                      ("qwen3_5_moe", "qwen3_5_moe_text (Qwen3_5MoeForCausalLM)"))})
+# Rope on a part of each head: megatron's rotary_percent (NeoX halves of the first dims, as HF's)
+PARTIAL_ROPE_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "glm4_moe")
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
 # dependence on the sequence length): HF's frequencies then make megatron's rope equal HF's.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -48,7 +49,7 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf.model_type not in HYBRID_MODEL_TYPES:
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 and hf.model_type not in PARTIAL_ROPE_MODEL_TYPES:
         problems.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
     if hf.model_type in HYBRID_MODEL_TYPES and (hf.linear_num_key_heads % tp_size
                                                 or hf.linear_num_value_heads % tp_size):
@@ -78,6 +79,8 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
             problems.append("dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step)")
     if hf.model_type == "deepseek_v3":
         problems += deepseek_v3_problems(hf)
+    if hf.model_type == "glm4_moe":
+        problems += glm4_moe_problems(hf)
     quantization = getattr(hf, "quantization_config", None)
     if quantization:  # e.g. DeepSeek-V3's published fp8 weights: the bridge reads them as plain floats
         method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
@@ -86,6 +89,21 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     if hf.vocab_size % tp_size:
         # Padding the vocabulary would add logits that vLLM does not have (and shift logprobs).
         problems.append(f"vocab_size {hf.vocab_size} is not divisible by trainer.tensor_parallel_size={tp_size}")
+    return problems
+
+
+def sigmoid_router_problems(hf: PreTrainedConfig) -> list[str]:
+    """What of DeepSeek-V3's router (sigmoid scores, a correction bias, groups; GLM-4.5's too) HF and
+    megatron's router do not compute alike."""
+    problems = []
+    if not getattr(hf, "norm_topk_prob", True):  # megatron's sigmoid router always renormalises its top-k
+        problems.append("norm_topk_prob=false")
+    if hf.num_experts_per_tok == 1:  # HF renormalises one expert's score to 1; megatron keeps the sigmoid
+        problems.append("num_experts_per_tok 1")
+    groups, group_topk = getattr(hf, "n_group", 1) or 1, getattr(hf, "topk_group", 1) or 1
+    if groups > 1 and hf.num_experts_per_tok // group_topk != 2:
+        # HF scores a group by its best 2 experts; megatron by its best top_k // topk_group
+        problems.append(f"num_experts_per_tok {hf.num_experts_per_tok} // topk_group {group_topk} != 2")
     return problems
 
 
@@ -98,14 +116,20 @@ def deepseek_v3_problems(hf: PreTrainedConfig) -> list[str]:
     if getattr(hf, "scoring_func", None) != "sigmoid" or getattr(hf, "topk_method", None) != "noaux_tc":
         problems.append(f"scoring_func {getattr(hf, 'scoring_func', None)!r} / topk_method "
                         f"{getattr(hf, 'topk_method', None)!r} (only 'sigmoid' / 'noaux_tc', which HF always applies)")
-    if not getattr(hf, "norm_topk_prob", True):  # megatron's sigmoid router always renormalises its top-k
-        problems.append("norm_topk_prob=false")
-    groups, group_topk = getattr(hf, "n_group", 1) or 1, getattr(hf, "topk_group", 1) or 1
-    if groups > 1 and hf.num_experts_per_tok // group_topk != 2:
-        # HF scores a group by its best 2 experts; megatron by its best top_k // topk_group
-        problems.append(f"num_experts_per_tok {hf.num_experts_per_tok} // topk_group {group_topk} != 2")
+    problems += sigmoid_router_problems(hf)
     if not getattr(hf, "rope_interleave", True):  # vLLM and megatron's MLA rotate interleaved pairs only
         problems.append("rope_interleave=false")
+    return problems
+
+
+def glm4_moe_problems(hf: PreTrainedConfig) -> list[str]:
+    """What of a GLM-4.5 config HF, vLLM and the trainer (mbridge's bridge, megatron's router) do not
+    all compute alike (docs/models.md)."""
+    problems = sigmoid_router_problems(hf)
+    if (hf.n_shared_experts or 0) < 1:  # the bridge maps one shared expert's weights
+        problems.append(f"n_shared_experts {hf.n_shared_experts}")
+    if getattr(hf, "tie_word_embeddings", False):  # vLLM's GLM-4.5 always builds its own lm_head
+        problems.append("tie_word_embeddings=true")
     return problems
 
 

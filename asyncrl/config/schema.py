@@ -30,8 +30,9 @@ LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2") 
 MAX_LORA_RANK = 256  # vLLM's largest but one (max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512)
 ROUTING_REPLAYS = ("none", "r3")  # r3: rollout routing replay (docs/moe.md)
 # the mixture-of-experts model types the megatron trainer loads (qwen2_moe: with a shared expert;
-# deepseek_v3: multi-head latent attention, shared experts, a sigmoid router with group top-k)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "qwen3_5_moe_text")
+# deepseek_v3: multi-head latent attention, shared experts, a sigmoid router with group top-k;
+# glm4_moe: DeepSeek-V3's router and shared expert under GQA attention with QKV bias and partial rope)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_5_moe_text")
 AGGREGATIONS = ("token", "sequence")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -25,6 +25,9 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
   `moe_shared_expert_gate` is set;
 - it has no Qwen3.5 bridge: `mbridge_compat.qwen3_5_text_bridge`, dense or MoE (its layers: trainer/qwen3_5.py);
+- its GLM-4.5 bridge maps no local-layer norm and always maps the output layer to lm_head
+  (`mbridge_compat.glm4_moe_bridge`), always builds a QKV bias, sizes one shared expert, sets no
+  expert groups (`glm4_moe_settings`);
 - its DeepSeek-V3 bridge passes megatron-core 0.16.1 a config argument under an older name (it
   cannot be built as is: a subclass renames it), sets no group-limited routing, moves the router's
   correction bias after every step, builds a checkpoint's multi-token-prediction layer (HF and
@@ -128,6 +131,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
 
     register_model("mistral")(LLaMABridge)  # mbridge's public registry (idempotent); see the docstring
     register_model("deepseek_v3")(mbridge_compat.deepseek_v3_bridge())
+    register_model("glm4_moe")(mbridge_compat.glm4_moe_bridge())
     register_model(QWEN3_5_TEXT)(mbridge_compat.qwen3_5_text_bridge())
     register_model(QWEN3_5_MOE_TEXT)(mbridge_compat.qwen3_5_text_bridge(moe=True))
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
@@ -163,6 +167,8 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         bridge.set_extra_args(moe_shared_expert_gate=True)
     if hf.model_type == "deepseek_v3":
         deepseek_v3_settings(bridge, hf, use_te)
+    if hf.model_type == "glm4_moe":
+        glm4_moe_settings(bridge, hf)
     if routing_replay:
         if not moe:
             raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model, not {hf.model_type}")
@@ -184,12 +190,12 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     return bridge
 
 
-def deepseek_v3_settings(bridge, hf: PreTrainedConfig, use_te: bool) -> None:
-    """What mbridge's DeepSeek-V3 bridge leaves out or sets otherwise than HF computes."""
+def sigmoid_router_settings(hf: PreTrainedConfig) -> dict:
+    """DeepSeek-V3's router (GLM-4.5's too) as HF computes it, where mbridge's bridges leave it out."""
     groups = getattr(hf, "n_group", 1) or 1
-    bridge.set_extra_args(
-        # HF picks the top_k experts within the topk_group best of n_group groups; the bridge sets no
-        # groups (models.deepseek_v3_problems checks megatron scores groups as HF does)
+    return dict(
+        # HF picks the top_k experts within the topk_group best of n_group groups; the bridges set no
+        # groups (models.sigmoid_router_problems checks megatron scores groups as HF does)
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=(getattr(hf, "topk_group", 1) or 1) if groups > 1 else None,
         # The correction bias only picks experts; megatron would move it after every step by the
@@ -199,11 +205,26 @@ def deepseek_v3_settings(bridge, hf: PreTrainedConfig, use_te: bool) -> None:
         # HF and vLLM run the main model only (a checkpoint's MTP layer is skipped): so does the trainer
         mtp_num_layers=None,
     )
+
+
+def deepseek_v3_settings(bridge, hf: PreTrainedConfig, use_te: bool) -> None:
+    """What mbridge's DeepSeek-V3 bridge leaves out or sets otherwise than HF computes."""
+    bridge.set_extra_args(**sigmoid_router_settings(hf))
     if bridge.dtype != torch.bfloat16:  # mbridge reads DeepSeek checkpoints in bf16 only
         mbridge_compat.read_plain_safetensors(bridge)
     if not use_te:
         mbridge_compat.map_mla_layer_norms(bridge)
         megatron_cpu.mla_without_te(hf.kv_lora_rank, hf.qk_rope_head_dim, hf.q_lora_rank)
+
+
+def glm4_moe_settings(bridge, hf: PreTrainedConfig) -> None:
+    """What mbridge's GLM-4.5 bridge sets otherwise than HF computes: it always builds a QKV bias,
+    sizes the shared expert as one expert whatever n_shared_experts says, and balances load by an
+    auxiliary loss RL does not use (its coefficient 0: off either way)."""
+    bridge.set_extra_args(
+        **sigmoid_router_settings(hf), add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0) or None,
+        moe_router_load_balancing_type="none")
 
 
 def build_gpt_model(bridge, device: torch.device) -> list[torch.nn.Module]:

@@ -50,6 +50,10 @@ PRIVATE_NAMES: list[tuple[str, str]] = [
     ("mbridge.core.bridge", "Bridge._weight_to_hf_format"),
     ("mbridge.core.bridge", "Bridge._weight_split_across_tp"),
     ("mbridge.core.bridge", "Bridge._weight_merge_across_tp"),
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._weight_name_mapping_mcore_to_hf"),
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._get_gptmodel_args"),
+    ("mbridge.core.bridge", "Bridge._weight_name_mapping_other"),
+    ("mbridge.models.qwen2moe", "Qwen2MoEBridge._ATTENTION_MAPPING"),
 ]
 
 # What no attribute lookup shows: (module, attribute path, text its source must contain).
@@ -112,6 +116,15 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
      "(query, gate, key, value) = torch.split(mixed_qkv, split_arg_list, dim=3)"),
     ("megatron.core.transformer.transformer_layer", "TransformerLayer._forward_attention",
      "packed_seq_params=packed_seq_params,"),
+    # Why glm4_moe_bridge and hf_bridge.glm4_moe_settings: GLM4MoEBridge's own name map (no fallback for
+    # other names, a fixed lm_head), its top-level partial rope, its QKV bias and one-expert shared size.
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._weight_name_mapping_mcore_to_hf",
+     '"output_layer.weight": "lm_head.weight"'),
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._get_gptmodel_args",
+     "rotary_percent=self.hf_config.partial_rotary_factor"),
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._build_config", "add_qkv_bias=True"),
+    ("mbridge.models.glm4moe", "GLM4MoEBridge._build_config",
+     "moe_shared_expert_intermediate_size=self.hf_config.moe_intermediate_size"),
 ]
 
 
@@ -184,6 +197,33 @@ def deepseek_v3_bridge() -> type:
         TransformerConfigClass = staticmethod(mla_config)
 
     return DeepseekV3BridgeForMcore016
+
+
+@functools.cache
+def glm4_moe_bridge() -> type:
+    """mbridge's GLM-4.5 bridge, with the name map's fallbacks its own map lacks and partial rope where
+    transformers 5 keeps it."""
+
+    from mbridge.models.glm4moe import GLM4MoEBridge
+
+    class GLM4MoEBridgeForLocalLayers(GLM4MoEBridge):
+        def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
+            # GLM4MoEBridge's map knows attention, MLP, MTP and three fixed names (the output layer
+            # always lm_head): megatron's local layers' input norms had no name, and map_output_layer
+            # no effect. The base Bridge's map falls back to _DIRECT_MAPPING and _OTHER_MAPPING.
+            if mcore_weights_name in self._DIRECT_MAPPING:
+                return [self._DIRECT_MAPPING[mcore_weights_name]]
+            if not any(part in mcore_weights_name for part in ("mtp", "self_attention", "mlp")):
+                return self._weight_name_mapping_other(mcore_weights_name)
+            return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
+
+        def _get_gptmodel_args(self) -> dict:
+            # its bridge reads a top-level partial_rotary_factor; HF and vLLM read rope_parameters'
+            rope = getattr(self.hf_config, "rope_parameters", None) or {}
+            factor = rope.get("partial_rotary_factor", getattr(self.hf_config, "partial_rotary_factor", 0.5))
+            return {**super()._get_gptmodel_args(), "rotary_percent": factor}
+
+    return GLM4MoEBridgeForLocalLayers
 
 
 @functools.cache
