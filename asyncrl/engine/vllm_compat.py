@@ -500,7 +500,7 @@ VL_PROCESSOR_MODULES = {
     "transformers.models.qwen2_vl.image_processing_qwen2_vl": ("Qwen2VLImageProcessor", "smart_resize"),
     "transformers.models.qwen3_vl.video_processing_qwen3_vl": ("Qwen3VLVideoProcessor", "smart_resize"),
 }
-QWEN3_5_FACTS: list[tuple[str, str, str]] = [
+SOURCE_FACTS += [
     ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "cpu_gdn_attention_core",
      'assert mixed_qkv.dtype == torch.bfloat16, "CPU GDN attention requires BF16."'),
     ("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "register_cpu_gdn_attention_ops",
@@ -525,7 +525,6 @@ PRIVATE_NAMES += [
     ("vllm.forward_context", "get_forward_context"),
     ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadata"),
 ]
-SOURCE_FACTS += QWEN3_5_FACTS
 
 
 def register_cpu_models() -> None:
@@ -606,6 +605,7 @@ def torch_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, co
         gdn_gating,
         packed_chunk_gated_delta_rule_with_state,
         recurrent_gated_delta_rule_step,
+        repeat_key_heads,
     )
 
     context = get_forward_context()
@@ -628,17 +628,15 @@ def torch_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, co
 
     def rule_inputs(x, a, b):  # -> q, k, v, g, beta as the rule takes them
         q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(x))  # [tokens, heads, dim]
-        if v.shape[1] > q.shape[1]:  # each key head serves several value heads
-            q, k = q.repeat_interleave(v.shape[1] // q.shape[1], 1), k.repeat_interleave(v.shape[1] // k.shape[1], 1)
-        return (q, k, v, *gdn_gating(layer.A_log, a, b, layer.dt_bias))
+        return (*repeat_key_heads(q, k, v.shape[1]), v, *gdn_gating(layer.A_log, a, b, layer.dt_bias))
 
     if decodes:
         slot = indices[:decodes]
+        rows = slot.long()
         x = causal_conv1d_update_cpu(x=mixed_qkv[:decode_tokens], conv_state=conv_state, weight=weight,
                                      bias=layer.conv1d.bias, activation=layer.activation, conv_state_indices=slot)
-        out, new = recurrent_gated_delta_rule_step(*rule_inputs(x, a[:decode_tokens], b[:decode_tokens]),
-                                                   states[slot.long()])
-        states[slot.long()] = new.to(states.dtype)
+        out, new = recurrent_gated_delta_rule_step(*rule_inputs(x, a[:decode_tokens], b[:decode_tokens]), states[rows])
+        states[rows] = new.to(states.dtype)
         core_attn_out[:decode_tokens] = out
     if meta.num_prefills:
         end = decode_tokens + meta.num_prefill_tokens
@@ -650,8 +648,9 @@ def torch_gdn_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, co
                                  cache_indices=slot, has_initial_state=has_state,
                                  activation=layer.activation).transpose(0, 1)
         # a new sequence starts from zeros (a fill, not a product: a fresh slot may hold any bits)
-        initial = states[slot.long()].masked_fill(~has_state[:, None, None, None], 0)
+        rows = slot.long()
+        initial = states[rows].masked_fill(~has_state[:, None, None, None], 0)
         out, final = packed_chunk_gated_delta_rule_with_state(
             *rule_inputs(x, a[decode_tokens:end], b[decode_tokens:end]), cu.tolist(), initial)
-        states[slot.long()] = final.to(states.dtype)
+        states[rows] = final.to(states.dtype)
         core_attn_out[decode_tokens:end] = out

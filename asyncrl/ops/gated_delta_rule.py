@@ -162,3 +162,13 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """The rule's log decay g = -exp(A_log) softplus(a + dt_bias) (fp32) and its write strength
     beta = sigmoid(b), per token and value head, as HF's Qwen3_5GatedDeltaNet computes them."""
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def repeat_key_heads(query: torch.Tensor, key: torch.Tensor,
+                     value_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """query, key [T, Hk, Dk] repeated to the value heads [T, Hv, Dk]: each key head serves
+    Hv / Hk consecutive value heads (HF's repeat_interleave)."""
+    if value_heads == query.shape[1]:
+        return query, key
+    repeat = value_heads // query.shape[1]
+    return query.repeat_interleave(repeat, dim=1), key.repeat_interleave(repeat, dim=1)

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncrl.ops.gated_delta_rule import gdn_gating, packed_causal_conv1d, packed_chunk_gated_delta_rule
+from asyncrl.ops.gated_delta_rule import (
+    gdn_gating,
+    packed_causal_conv1d,
+    packed_chunk_gated_delta_rule,
+    repeat_key_heads,
+)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -85,8 +90,7 @@ class PackedGatedDeltaNet(torch.nn.Module):
         q, k, v = qkv.split([nk * dk, nk * dk, nv * dv], dim=-1)
         q, k, v = q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv)
         g, beta = gdn_gating(self.A_log, a, b, self.dt_bias)
-        if nv > nk:  # each key head serves nv / nk value heads
-            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+        q, k = repeat_key_heads(q, k, nv)
         core = packed_chunk_gated_delta_rule(q, k, v, g, beta, cu)
         weight = copy_to_tensor_model_parallel_region(self.out_norm.weight)  # shared by the ranks' heads
         core = self.out_norm(core.reshape(-1, dv), z.reshape(-1, dv), weight).reshape(-1, nv * dv)

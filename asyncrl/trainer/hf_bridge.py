@@ -223,7 +223,7 @@ def glm4_moe_settings(bridge, hf: PreTrainedConfig) -> None:
     auxiliary loss RL does not use (its coefficient 0: off either way)."""
     bridge.set_extra_args(
         **sigmoid_router_settings(hf), add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
-        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0) or None,
+        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,  # >= 1: validated
         moe_router_load_balancing_type="none")
 
 
