@@ -19,12 +19,15 @@ DeltaNet linear-attention layers to one gated full-attention layer (2 key / 4 va
 the head size vLLM-CPU's kernel takes; a short convolution of 4), zero-centred norms, rope on a
 quarter of each head; qwen3_5_moe (`Qwen3_5MoeForCausalLM`, qwen3_5_moe_text) — one DeltaNet and one
 gated-attention layer, each with qwen2_moe's experts (top-2 renormalised, a gated shared expert).
+gemma3_text — Gemma 3's text model: a sliding-window layer and a global one, four zero-centred norms
+a layer, a rope base per kind of layer, GELU-tanh, scaled and tied embeddings.
 All: hidden 128, 2 layers (deepseek_v3, glm4_moe: 3, the first dense; qwen3_5: 4), MLP
 256 (experts 64), fp32 safetensors (~1.5-4.4 MB), built in seconds.
 
 The config.json is shaped as the family's published checkpoints are (written by transformers 4):
 `rope_theta` at the top level with `rope_scaling` beside it (null for plain rope), `torch_dtype`,
-no `layer_types`; Mixtral's, Mistral's and DeepSeek-V3's without `head_dim` (HF derives it), Qwen2's
+no `layer_types` (Gemma 3's: `rope_local_base_freq` and `sliding_window_pattern`, as gemma-3-1b-it's);
+Mixtral's, Mistral's and DeepSeek-V3's without `head_dim` (HF derives it), Qwen2's
 with Qwen2.5's unused `sliding_window` (`use_sliding_window: false`).
 
 The weights are random, not trained, and deliberately not HF's init: every weight is drawn at
@@ -49,6 +52,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
@@ -67,7 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = REPO / "recipes" / "arith" / "base_model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCHS = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe",
-         "qwen3_5", "qwen3_5_moe")
+         "qwen3_5", "qwen3_5_moe", "gemma3_text")
 VOCAB_MULTIPLE = 64
 # What each tiny checkpoint carries that changes the conversion (docs/models.md's table, written by
 # scripts/models_table.py from these and the measurements)
@@ -100,6 +104,10 @@ FEATURES = {
     "qwen3_5_moe": "`qwen3_5_moe_text`, Qwen3.5-MoE's hybrid: layer 0 gated DeltaNet, layer 1 gated full "
                    "attention (as `qwen3_5`'s), each with 8 routed experts of 64, top-2 renormalised, and a shared "
                    "expert (MLP 128) behind its sigmoid gate",
+    "gemma3_text": "Gemma 3's text model: layer 0 local attention (a sliding window of 16 tokens, rope base 1e4), "
+                   "layer 1 global (rope base 1e6, linear scaling factor 8), four zero-centred norms a layer (input, "
+                   "attention output, pre- and post-MLP), QK-norm, scores scaled by `query_pre_attn_scalar` 48 ** -0.5 "
+                   "(head_dim 64), GELU-tanh, embeddings scaled by sqrt(hidden), tied, GQA",
 }
 
 
@@ -198,6 +206,16 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                                     shared_expert_intermediate_size=128, router_aux_loss_coef=0.001,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                                      "partial_rotary_factor": 0.25})
+    if arch == "gemma3_text":
+        # Gemma 3's text layers at the tiny size: a local (sliding-window) layer, then a global one (the
+        # published models' 5:1 in two layers); the window shorter than the tests' sequences; the query
+        # scale not head_dim's (as Gemma 3 27B's); tied embeddings, as every Gemma's
+        return Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=64, query_pre_attn_scalar=48,
+                                sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                    "rope_theta": 1000000.0}})
     raise ValueError(f"--arch {arch!r}: one of {ARCHS}")
 
 
@@ -221,7 +239,9 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith(".bias"):
             p.copy_(0.2 * noise)
         elif "embed_tokens" in name:
-            p.copy_(noise)
+            # a tied embedding (Gemma's) is also the output layer: at N(0, 1/hidden) its logits stay
+            # of the untied models' size (Gemma scales the input side back up by sqrt(hidden))
+            p.copy_(noise / math.sqrt(p.shape[1]) if getattr(model.config, "tie_word_embeddings", False) else noise)
         else:
             p.copy_(noise / math.sqrt(p.shape[1]))
     # DeepSeek-V3's expert-choice correction bias is a buffer (HF starts it at 0, which would hide
@@ -241,6 +261,14 @@ def published_style(arch: str, raw: dict) -> dict:
     if arch.startswith("qwen3_5"):
         return raw
     raw = dict(raw)
+    if arch == "gemma3_text":  # gemma-3-1b-it's keys: a rope base per kind of layer, a pattern for the kinds
+        rope = raw.pop("rope_parameters")
+        full = dict(rope["full_attention"])
+        raw.update(rope_theta=full.pop("rope_theta"), rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+                   rope_scaling=full, sliding_window_pattern=len(raw.pop("layer_types")),
+                   torch_dtype=raw.pop("dtype", "float32"))
+        raw.pop("_sliding_window_pattern", None)  # transformers 5's private copy of the pattern (its default)
+        return raw
     rope = dict(raw.pop("rope_parameters", None) or {})
     raw["rope_theta"] = rope.pop("rope_theta", 10000.0)
     raw["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None

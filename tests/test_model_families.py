@@ -35,6 +35,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DeepseekV3Config,
+    Gemma3Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
     GPT2Config,
@@ -47,14 +48,14 @@ from transformers import (
 )
 from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-from asyncrl.config.models import model_config_problems
+from asyncrl.config.models import model_config_problems, rope_parameters
 from asyncrl.rollout.trust import model_limits
 from asyncrl.trainer.hf_bridge import hf_rope_inv_freq, read_model_config
 from asyncrl.types import RoutedExperts
 from tests.conftest import REPO, run_cli
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe",
-            "qwen3_5", "qwen3_5_moe")
+            "qwen3_5", "qwen3_5_moe", "gemma3_text")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_5_moe")
 # (tensor, pipeline, data, expert) parallel sizes by name. Every family at TP 1 and 2 (but qwen2 and
 # mistral, below); one dense and one MoE family also at PP 2 and DP 2 (for the MoE: DP 2 with its
@@ -111,7 +112,8 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     other = build_tiny_model("qwen3", tmp_path / "other", seed=1)
     assert (other / "model.safetensors").read_bytes() != (again / "model.safetensors").read_bytes()
     names = {arch: set(load_file(f"{path}/model.safetensors")) for arch, path in tiny_models.items()}
-    assert all("lm_head.weight" in n for n in names.values())  # untied
+    assert all("lm_head.weight" in n for arch, n in names.items() if arch != "gemma3_text")  # untied
+    assert "lm_head.weight" not in names["gemma3_text"]  # Gemma's output layer is its embedding
     assert "model.layers.0.self_attn.q_proj.bias" in names["qwen2"]
     assert "model.layers.0.self_attn.q_norm.weight" in names["qwen3"]
     assert not any(k.endswith(".bias") for k in names["qwen3"] | names["llama"] | names["mistral"] | names["mixtral"])
@@ -160,6 +162,16 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     assert {"model.layers.0.linear_attn.in_proj_z.weight", "model.layers.1.self_attn.q_norm.weight",
             "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.1.mlp.experts.7.up_proj.weight",
             "model.layers.1.mlp.gate.weight"} <= names["qwen3_5_moe"]
+    # Gemma 3: four norms a layer, QK-norm; a local layer then a global one, each with its rope; keys as
+    # gemma-3-1b-it's
+    assert {f"model.layers.1.{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm",
+                                                         "pre_feedforward_layernorm", "post_feedforward_layernorm",
+                                                         "self_attn.q_norm")} <= names["gemma3_text"]
+    gemma = read_model_config(str(tiny_models["gemma3_text"]))
+    assert gemma.layer_types == ["sliding_attention", "full_attention"] and gemma.sliding_window == 16
+    assert gemma.rope_parameters == {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    assert raw["gemma3_text"]["sliding_window_pattern"] == 2 and "layer_types" not in raw["gemma3_text"]
 
 
 def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
@@ -169,19 +181,20 @@ def test_unsupported_model_type_is_refused_in_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message
     assert "'gpt2' is not supported" in message
-    assert "mistral (dense), qwen3_moe, mixtral, qwen2_moe, deepseek_v3, glm4_moe (mixture of experts)" in message
+    assert ("mistral, gemma3_text (dense), qwen3_moe, mixtral, qwen2_moe, deepseek_v3, glm4_moe (mixture of experts)"
+            in message)
     # `asyncrl train` refuses it at validation, before Ray starts: exit 2, one line naming the key
     out = run_cli("train", "recipe=arith", f"model.path={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if "model.path=" in x]
     assert line.strip() == f"- model.path={str(tmp_path)!r}: {message.split(': ', 1)[1]}"
     assert "Started a local Ray instance" not in out.stderr
-    # a family users bring whose conversion is known not to work says why
+    # a model type users bring whose conversion is known not to work says why
     gemma = tmp_path / "gemma3"
-    Gemma3TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
-                     head_dim=32, intermediate_size=128, vocab_size=320).save_pretrained(gemma)
-    with pytest.raises(ValueError, match="'gemma3_text' is not supported by the megatron trainer "
-                                         r"\(mbridge has no bridge for the text-only Gemma 3.*sliding window"):
+    Gemma3Config(text_config=dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                                  head_dim=32, intermediate_size=128, vocab_size=320)).save_pretrained(gemma)
+    with pytest.raises(ValueError, match="'gemma3' is not supported by the megatron trainer "
+                                         r"\(the vision-language checkpoint: .* gemma3_text \(Gemma3ForCausalLM\)"):
         read_model_config(str(gemma))
 
 
@@ -229,6 +242,20 @@ def test_features_the_conversion_does_not_cover_are_refused():
     cases["// topk_group 2 != 2 "] = Glm4MoeConfig(**{**glm, "n_group": 4, "topk_group": 2})
     cases["n_shared_experts 0"] = Glm4MoeConfig(**{**glm, "n_shared_experts": 0})
     cases["tie_word_embeddings=true"] = Glm4MoeConfig(**glm, tie_word_embeddings=True)
+    # Gemma 3: its window, GELU-tanh and per-layer rope are built; Gemma 2's softcapping and the rest are not
+    gemma = dict(ok, head_dim=32, num_key_value_heads=1)
+    assert model_config_problems(Gemma3TextConfig(**gemma), tp_size=2) == []
+    assert model_config_problems(Gemma3TextConfig(**gemma, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+                                 tp_size=2) == []  # Gemma 3 4B's global layers'
+    cases["hidden_activation 'gelu'"] = Gemma3TextConfig(**gemma, hidden_activation="gelu")
+    cases["final_logit_softcapping 30.0"] = Gemma3TextConfig(**gemma, final_logit_softcapping=30.0)
+    cases["attn_logit_softcapping 50.0"] = Gemma3TextConfig(**gemma, attn_logit_softcapping=50.0)
+    cases["use_bidirectional_attention=true"] = Gemma3TextConfig(**gemma, use_bidirectional_attention=True)
+    cases["attention_bias=true "] = Gemma3TextConfig(**gemma, attention_bias=True)
+    cases["tie_word_embeddings=false"] = Gemma3TextConfig(**gemma, tie_word_embeddings=False)
+    cases["sliding-attention rope"] = Gemma3TextConfig(**gemma, rope_parameters={
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     for expected, config in cases.items():
         problems = model_config_problems(config, tp_size=1)
         assert len(problems) == 1 and expected.strip() in problems[0], (expected, problems)
@@ -295,13 +322,24 @@ PUBLISHED["Qwen3.5-MoE (text)"] = dict(architectures=["Qwen3_5MoeForCausalLM"], 
                                        shared_expert_intermediate_size=32,
                                        rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                         "partial_rotary_factor": 0.25})
+# Gemma 3 1B (text only, as published) and 4B's text model (linear rope scaling on its global layers), and
+# 4B as published: the vision-language model around the text one
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16,
+              hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=None, final_logit_softcapping=None,
+              rope_local_base_freq=10000, rope_theta=1000000, sliding_window=512, sliding_window_pattern=6,
+              cache_implementation="hybrid", eos_token_id=[1, 106], torch_dtype="bfloat16")
+PUBLISHED["gemma-3-1b-it"] = {**GEMMA3, "rope_scaling": None}
+PUBLISHED["gemma-3-4b (text)"] = {**GEMMA3, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+PUBLISHED["gemma-3-4b-it"] = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                                  text_config={**TINY_SIZES, "head_dim": 16})
 PUBLISHED["Qwen3.5-MoE (vision-language)"] = dict(architectures=["Qwen3_5MoeForConditionalGeneration"],
                                                   model_type="qwen3_5_moe", text_config={"head_dim": 16})
 REFUSED = {"Mistral-7B-v0.1": ["sliding_window=4096"],
            "DeepSeek-V3": ["rope_type 'yarn'", "a quantized checkpoint (quantization_config: fp8"],
            "Qwen3 with head_dim null": ["does not load in transformers 5", "'head_dim' expected int, got NoneType"],
            "Qwen3.5 (vision-language)": ["'qwen3_5' is not supported", "model_type qwen3_5_text"],
-           "Qwen3.5-MoE (vision-language)": ["'qwen3_5_moe' is not supported", "model_type qwen3_5_moe_text"]}
+           "Qwen3.5-MoE (vision-language)": ["'qwen3_5_moe' is not supported", "model_type qwen3_5_moe_text"],
+           "gemma-3-4b-it": ["'gemma3' is not supported", "model_type gemma3_text"]}
 
 
 def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
@@ -320,9 +358,13 @@ def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
         hf = read_model_config(str(path))
         assert hf.head_dim == (keys.get("head_dim") or 64 // 4), name  # the published one, or HF's derivation
         assert hf.rope_theta == keys.get("rope_theta", (keys.get("rope_parameters") or {}).get("rope_theta", 1e4)), name
-        assert hf.rope_parameters["rope_theta"] == hf.rope_theta, name
+        assert rope_parameters(hf)["rope_theta"] == hf.rope_theta, name  # (Gemma 3's: its global layers')
     assert read_model_config(str(tmp_path / "Llama-3.2-1B")).rope_parameters["rope_type"] == "llama3"
     assert read_model_config(str(tmp_path / "Qwen2.5-0.5B")).sliding_window is None  # unused: no window applied
+    gemma = read_model_config(str(tmp_path / "gemma-3-4b (text)"))  # one global layer in six; rope bases per kind
+    assert gemma.layer_types == ["sliding_attention"]  # (one layer here)
+    assert gemma.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000}
+    assert gemma.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000}
 
 
 def test_what_is_not_built_for_qwen3_5_is_refused_at_validation_in_one_line_each(tiny_models):
@@ -346,6 +388,14 @@ def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])
     assert torch.equal(hf_rope_inv_freq(model.config), model.model.rotary_emb.inv_freq)
     assert hf_rope_inv_freq(read_model_config(str(tiny_models["qwen2"]))) is None  # plain rope: megatron's own
+    # Gemma 3: its global layers' linear scaling from HF's code; its local layers' plain rope is megatron's
+    # own of their base (trainer/gemma3.py), equal to HF's
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    gemma = AutoModelForCausalLM.from_pretrained(tiny_models["gemma3_text"]).model.rotary_emb
+    assert torch.equal(hf_rope_inv_freq(gemma.config), gemma.full_attention_inv_freq)
+    local = RotaryEmbedding(64, rotary_percent=1.0, rotary_base=1e4, use_cpu_initialization=True)
+    assert torch.equal(local.inv_freq, gemma.sliding_attention_inv_freq)
 
 
 def test_an_untied_model_after_a_tied_one_keeps_its_own_output_layer(tiny_models, base_model):

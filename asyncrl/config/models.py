@@ -19,14 +19,14 @@ DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's l
 QWEN3_5_TEXT = "qwen3_5_text"  # Qwen3.5's text model: gated DeltaNet + gated attention (trainer/qwen3_5.py)
 QWEN3_5_MOE_TEXT = "qwen3_5_moe_text"  # the same layers with Qwen2-MoE's experts (a gated shared one)
 HYBRID_MODEL_TYPES = (QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
-SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
+GEMMA3_TEXT = "gemma3_text"  # Gemma 3's text model: local (sliding-window) and global attention (trainer/gemma3.py)
+# Model types whose layers are asyncrl's own (trainer/qwen3_5.py, trainer/gemma3.py): one pipeline stage
+OWN_LAYER_MODEL_TYPES = (*HYBRID_MODEL_TYPES, GEMMA3_TEXT)
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, GEMMA3_TEXT, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
 # Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
 UNSUPPORTED_WHY = {
-    "gemma3_text": "mbridge has no bridge for the text-only Gemma 3, and the trainer's packed attention has no "
-                   "sliding window, which its local layers use",
-    "gemma3": "mbridge's Gemma 3 bridge (the vision-language model) builds Transformer Engine layers only, with "
-              "exact GELU where HF uses the tanh approximation, and the trainer's packed attention has no sliding "
-              "window",
+    "gemma3": "the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type "
+              "gemma3_text (Gemma3ForCausalLM)",
 }
 # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
 UNSUPPORTED_WHY["qwen3_next"] = ("its gated-DeltaNet layers are built for Qwen3.5's text models (qwen3_5_text, "
@@ -42,10 +42,18 @@ PARTIAL_ROPE_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "glm4_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def rope_parameters(hf: PreTrainedConfig, layer_type: str = "full_attention") -> dict:
+    """The rope settings of one kind of layer: transformers 5 keeps one dict for the model, or one per
+    layer type (Gemma 3's: "full_attention", "sliding_attention")."""
+    rope = getattr(hf, "rope_parameters", None) or {}
+    per_layer_type = rope.get(layer_type)
+    return per_layer_type if isinstance(per_layer_type, dict) else rope
+
+
 def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     """What in this HF config asyncrl's trainer does not convert exactly (empty: nothing)."""
     problems = []
-    rope = getattr(hf, "rope_parameters", None) or {}
+    rope = rope_parameters(hf)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         problems.append(f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -55,14 +63,17 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
                                                 or hf.linear_num_value_heads % tp_size):
         problems.append(f"linear_num_key_heads {hf.linear_num_key_heads} / linear_num_value_heads "
                         f"{hf.linear_num_value_heads} not divisible by trainer.tensor_parallel_size={tp_size}")
-    if getattr(hf, "hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
-    if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
-        problems.append("sliding-window attention")
-    elif hf.model_type in ("mistral", "mixtral") and getattr(hf, "sliding_window", None) is not None:
-        # HF's Mistral and Mixtral apply `sliding_window` whenever it is set (no flag, no layer_types);
-        # the trainer's packed attention attends to the whole prefix.
-        problems.append(f"sliding-window attention (sliding_window={hf.sliding_window}; only null is supported)")
+    if hf.model_type == GEMMA3_TEXT:  # its own activation key; its sliding window is built (trainer/gemma3.py)
+        problems += gemma3_text_problems(hf)
+    else:
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
+        if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
+            problems.append("sliding-window attention")
+        elif hf.model_type in ("mistral", "mixtral") and getattr(hf, "sliding_window", None) is not None:
+            # HF's Mistral and Mixtral apply `sliding_window` whenever it is set (no flag, no layer_types);
+            # the trainer's packed attention has a window for Gemma 3's layers only.
+            problems.append(f"sliding-window attention (sliding_window={hf.sliding_window}; only null is supported)")
     if hf.model_type in ("qwen3", "llama", "deepseek_v3") and getattr(hf, "attention_bias", False):
         # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
         problems.append("attention_bias=true")
@@ -122,6 +133,29 @@ def deepseek_v3_problems(hf: PreTrainedConfig) -> list[str]:
     return problems
 
 
+def gemma3_text_problems(hf: PreTrainedConfig) -> list[str]:
+    """What of a Gemma 3 text config the trainer's layers (trainer/gemma3.py) do not compute as HF does."""
+    problems = []
+    if hf.hidden_activation != "gelu_pytorch_tanh":  # vLLM's Gemma 3 takes this one only too
+        problems.append(f"hidden_activation {hf.hidden_activation!r} (only gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):  # Gemma 2's; null in Gemma 3's
+        if getattr(hf, key, None) is not None:
+            problems.append(f"{key} {getattr(hf, key)}")
+    if getattr(hf, "use_bidirectional_attention", False):  # EmbeddingGemma's: not a causal LM
+        problems.append("use_bidirectional_attention=true")
+    if getattr(hf, "attention_bias", False):
+        problems.append("attention_bias=true")
+    if not getattr(hf, "tie_word_embeddings", True):
+        problems.append("tie_word_embeddings=false")
+    if set(hf.layer_types) - {"sliding_attention", "full_attention"}:
+        problems.append(f"layer_types {sorted(set(hf.layer_types))}")
+    local = rope_parameters(hf, "sliding_attention")
+    if local.get("rope_type", "default") != "default" or local.get("partial_rotary_factor", 1.0) != 1.0:
+        # a sliding layer's rope is built from its base alone (trainer/gemma3.py)
+        problems.append(f"sliding-attention rope {local}")
+    return problems
+
+
 def glm4_moe_problems(hf: PreTrainedConfig) -> list[str]:
     """What of a GLM-4.5 config HF, vLLM and the trainer (mbridge's bridge, megatron's router) do not
     all compute alike (docs/models.md)."""
@@ -143,7 +177,7 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
         return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
-                f"{', '.join(DENSE_MODEL_TYPES)} (dense), "
+                f"{', '.join((*DENSE_MODEL_TYPES, GEMMA3_TEXT))} (dense), "
                 f"{', '.join(t for t in MOE_MODEL_TYPES if t not in HYBRID_MODEL_TYPES)} (mixture of experts), "
                 f"{', '.join(HYBRID_MODEL_TYPES)} (linear + full attention); see docs/models.md")
     from huggingface_hub.errors import StrictDataclassError
@@ -175,15 +209,18 @@ def trainable_model_problems(c: Config) -> list[str]:
     if problem:
         return [f"model.path={path!r}: {problem}"]
     model_type = checkpoint_model_type(path)
-    return hybrid_model_problems(c, model_type) if model_type in HYBRID_MODEL_TYPES else []
+    return own_layer_model_problems(c, model_type) if model_type in OWN_LAYER_MODEL_TYPES else []
 
 
-def hybrid_model_problems(c: Config, model_type: str) -> list[str]:
-    """What of a run with Qwen3.5's text model (dense or MoE) is not built yet (docs/models.md)."""
+def own_layer_model_problems(c: Config, model_type: str) -> list[str]:
+    """What of a run with a model of asyncrl's own layers (Qwen3.5's text models, Gemma 3's) is not
+    built yet (docs/models.md)."""
     problems = []
     if c.trainer.pipeline_parallel_size > 1:
         problems.append(f"trainer.pipeline_parallel_size={c.trainer.pipeline_parallel_size}: {model_type}'s "
-                        "hybrid layer spec is built for one pipeline stage")
+                        "layer spec is built for one pipeline stage")
+    if model_type not in HYBRID_MODEL_TYPES:
+        return problems
     if c.trainer.lora.rank:
         problems.append(f"trainer.lora.rank={c.trainer.lora.rank}: LoRA is not built for {model_type}'s "
                         "gated-DeltaNet layers")

@@ -1,5 +1,6 @@
-"""Hugging Face <-> Megatron weights for Qwen2, Qwen3, Llama and Mistral (dense) and Qwen3-MoE,
-Mixtral, Qwen2-MoE and DeepSeek-V3 (mixture-of-experts) models, through mbridge.
+"""Hugging Face <-> Megatron weights for Qwen2, Qwen3, Llama, Mistral and Gemma 3 (dense), Qwen3-MoE,
+Mixtral, Qwen2-MoE, DeepSeek-V3 and GLM-4.5 (mixture-of-experts) and Qwen3.5 (hybrid) models, through
+mbridge.
 
 mbridge (what verl uses) maps HF tensor names and layouts to megatron-core's GPTModel
 (fused QKV, fused gate/up, tensor-parallel splits) and back. We use it as is, except
@@ -25,6 +26,8 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
   `moe_shared_expert_gate` is set;
 - it has no Qwen3.5 bridge: `mbridge_compat.qwen3_5_text_bridge`, dense or MoE (its layers: trainer/qwen3_5.py);
+- its Gemma 3 bridge is the vision-language model's, TE only: `mbridge_compat.gemma3_text_bridge`
+  (its layers: trainer/gemma3.py);
 - its GLM-4.5 bridge maps no local-layer norm and always maps the output layer to lm_head
   (`mbridge_compat.glm4_moe_bridge`), always builds a QKV bias, sizes one shared expert, sets no
   expert groups (`glm4_moe_settings`);
@@ -44,7 +47,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config.models import HYBRID_MODEL_TYPES, QWEN3_5_MOE_TEXT, QWEN3_5_TEXT, model_problem
+from asyncrl.config.models import (
+    GEMMA3_TEXT,
+    OWN_LAYER_MODEL_TYPES,
+    QWEN3_5_MOE_TEXT,
+    QWEN3_5_TEXT,
+    model_problem,
+    rope_parameters,
+)
 from asyncrl.config.schema import MOE_MODEL_TYPES
 from asyncrl.trainer import mbridge_compat, megatron_cpu
 
@@ -52,8 +62,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
 # Model types whose layers are asyncrl's own (megatron's local layers with its modules), with or
-# without Transformer Engine: Qwen3.5's gated DeltaNet (trainer/qwen3_5.py)
-LOCAL_LAYERS_ONLY = HYBRID_MODEL_TYPES
+# without Transformer Engine: Qwen3.5's gated DeltaNet (trainer/qwen3_5.py), Gemma 3's norms and
+# sliding windows (trainer/gemma3.py)
+LOCAL_LAYERS_ONLY = OWN_LAYER_MODEL_TYPES
 
 
 
@@ -92,19 +103,22 @@ def read_model_config(model_path: str, tp_size: int = 1) -> PreTrainedConfig:
     # configs written before transformers 5 keep rope_theta at the top level, not in rope_parameters.
     if getattr(hf, "head_dim", None) is None and not getattr(hf, "kv_lora_rank", None):  # MLA has no head_dim
         hf.head_dim = hf.hidden_size // hf.num_attention_heads
-    if getattr(hf, "rope_theta", None) is None:
-        hf.rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if getattr(hf, "rope_theta", None) is None:  # (Gemma 3's: its full-attention layers')
+        hf.rope_theta = rope_parameters(hf).get("rope_theta", 10000.0)
     return hf
 
 
 def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
-    """HF's rotary inverse frequencies for this config, or None for plain rope (megatron's equal them)."""
+    """HF's rotary inverse frequencies for this config (with rope settings per layer type, Gemma 3's,
+    its full-attention layers'), or None for plain rope (megatron's equal them)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope_type = rope_parameters(hf).get("rope_type", "default")
     if rope_type == "default":
         return None
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf)
+    per_layer_type = hf.model_type == GEMMA3_TEXT
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](
+        hf, **({"layer_type": "full_attention"} if per_layer_type else {}))
     if attention_factor != 1.0:  # SUPPORTED_ROPE_TYPES have none; megatron's rope would not apply it
         raise ValueError(f"rope_type {rope_type!r}: attention scaling {attention_factor} is not supported")
     return inv_freq.float()
@@ -134,6 +148,7 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
     register_model("glm4_moe")(mbridge_compat.glm4_moe_bridge())
     register_model(QWEN3_5_TEXT)(mbridge_compat.qwen3_5_text_bridge())
     register_model(QWEN3_5_MOE_TEXT)(mbridge_compat.qwen3_5_text_bridge(moe=True))
+    register_model(GEMMA3_TEXT)(mbridge_compat.gemma3_text_bridge())
     hf = read_model_config(model_path, mpu.get_tensor_model_parallel_world_size())
     bridge = AutoBridge.from_config(hf, dtype=dtype)
     moe = hf.model_type in MOE_MODEL_TYPES

@@ -125,6 +125,10 @@ SOURCE_FACTS: list[tuple[str, str, str]] = [
     ("mbridge.models.glm4moe", "GLM4MoEBridge._build_config", "add_qkv_bias=True"),
     ("mbridge.models.glm4moe", "GLM4MoEBridge._build_config",
      "moe_shared_expert_intermediate_size=self.hf_config.moe_intermediate_size"),
+    # What gemma3_text_bridge relies on: the model-creation callbacks get the stage's flags; the
+    # local layer spec's attention and MLP are megatron's classes, replaced by gemma3's subclasses.
+    ("mbridge.core.llm_bridge", "LLMBridge._model_provider", "pre_process=pre_process,"),
+    ("megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec", "module=SelfAttention,"),
 ]
 
 
@@ -149,10 +153,11 @@ def map_local_layer_norms(bridge: Any) -> None:
     """Add the layer norms of megatron's local layers to mbridge's name map."""
     # Local layers keep the norms as modules of their own (TE fuses them into the linears),
     # and mbridge's name map only knows TE's names.
+    # A bridge class that names its pre-MLP norm otherwise (Gemma 3's) keeps its own name.
     bridge._OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
     bridge._MLP_MAPPING = {
-        **type(bridge)._MLP_MAPPING,
         "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+        **type(bridge)._MLP_MAPPING,
     }
 
 
@@ -285,6 +290,42 @@ def qwen3_5_text_bridge(moe: bool = False) -> type:
                 mcore_weights_name, mcore_weights, param)
 
     return Qwen3_5TextBridge
+
+
+@functools.cache
+def gemma3_text_bridge() -> type:
+    """A bridge for Gemma 3's text model (asyncrl/trainer/gemma3.py), which mbridge lacks (its
+    gemma3 bridge is the vision-language model's, Transformer Engine only): its Qwen2 bridge's
+    names with Gemma's four norms a layer, Gemma's config, layer spec and scaled embeddings."""
+    from mbridge.models.qwen2 import Qwen2Bridge
+
+    from asyncrl.trainer import gemma3
+
+    layer = "model.layers.{layer_number}."
+
+    class Gemma3TextBridge(Qwen2Bridge):
+        # mbridge 0.15.1 maps a parameter by the first of these keys its name contains
+        _ATTENTION_MAPPING = {
+            **Qwen2Bridge._ATTENTION_MAPPING,
+            "self_attention.post_layernorm.weight": [layer + "post_attention_layernorm.weight"],
+        }
+        _MLP_MAPPING = {
+            **Qwen2Bridge._MLP_MAPPING,
+            "pre_mlp_layernorm.weight": [layer + "pre_feedforward_layernorm.weight"],
+            "mlp.post_layernorm.weight": [layer + "post_feedforward_layernorm.weight"],
+        }
+
+        def _build_config(self):
+            # (Qwen2's bridge would add a QKV bias)
+            return self._build_base_config(**gemma3.config_args(self.hf_config))
+
+        def _get_transformer_layer_spec(self, vp_stage: int | None = None):
+            return gemma3.layer_spec(self.config, self.hf_config, vp_stage)
+
+        def _model_provider(self, post_model_creation_callbacks: list):
+            return super()._model_provider([*post_model_creation_callbacks, gemma3.scale_embeddings])
+
+    return Gemma3TextBridge
 
 
 def map_mla_layer_norms(bridge: Any) -> None:

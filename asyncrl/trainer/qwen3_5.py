@@ -27,22 +27,9 @@ from typing import Any
 import torch
 
 from asyncrl.trainer.gdn import PackedGatedDeltaNet
+from asyncrl.trainer.norms import ZeroCenteredRMSNorm
 
 MODEL_TYPE = "qwen3_5_text"
-
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """HF's Qwen3_5RMSNorm, op for op: rms_norm(x) * (1 + weight) in fp32, weight starting at 0."""
-
-    def __init__(self, config: Any = None, hidden_size: int = 0, eps: float = 1e-6, **kwargs: Any):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 def layer_spec(config: Any, layer_types: list[str], vp_stage: int | None = None) -> Any:
