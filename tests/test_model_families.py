@@ -5,7 +5,9 @@ mixtral, qwen2_moe and deepseek_v3 with 8 experts, top-2, renormalised or not, q
 gated shared expert, deepseek_v3 with multi-head latent attention, a shared expert and a sigmoid
 router with a correction bias and group-limited top-k; glm4_moe, that router under GQA attention with a
 QKV bias, QK-norm and rope on half of each head; qwen3_5 and qwen3_5_moe, Qwen3.5's text models:
-gated-DeltaNet layers and a gated attention layer, dense and with qwen2_moe's experts) through the
+gated-DeltaNet layers and a gated attention layer, dense and with qwen2_moe's experts; gemma3_text, a
+sliding-window layer (window 16, shorter than the rows) and a global one, each with its rope, four norms a
+layer, scaled and tied embeddings) through the
 megatron trainer at TP 1 and 2, for qwen3 and qwen3_moe at PP 2 and DP 2 (the MoE's with its experts
 split, EP 2) and for qwen3_moe, mixtral and qwen2_moe at EP 2: its full-vocabulary
 logits equal HF's, its HF export before training is the checkpoint, a train step moves every
@@ -367,7 +369,7 @@ def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
     assert gemma.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000}
 
 
-def test_what_is_not_built_for_qwen3_5_is_refused_at_validation_in_one_line_each(tiny_models):
+def test_what_is_not_built_for_qwen3_5_or_gemma3_is_refused_at_validation_in_one_line_each(tiny_models):
     from asyncrl.config import ConfigError, compose
     from asyncrl.run_config import validate_config
 
@@ -381,6 +383,13 @@ def test_what_is_not_built_for_qwen3_5_is_refused_at_validation_in_one_line_each
     with pytest.raises(ConfigError, match="linear_num_key_heads 2 / linear_num_value_heads 4 not divisible by "
                                           "trainer.tensor_parallel_size=4"):
         validate_config(compose(["recipe=arith", f"model.path={path}", "trainer.tensor_parallel_size=4"]), trains=True)
+    # Gemma 3's layers are asyncrl's own too: one pipeline stage
+    gemma = tiny_models["gemma3_text"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose(["recipe=arith", f"model.path={gemma}", "trainer.pipeline_parallel_size=2"]),
+                        trains=True)
+    assert [p for p in err.value.problems if "gemma3_text" in p] == [
+        "trainer.pipeline_parallel_size=2: gemma3_text's layer spec is built for one pipeline stage"]
 
 
 def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):

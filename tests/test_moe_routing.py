@@ -18,7 +18,8 @@ For the other MoE layouts (Mixtral; Qwen2-MoE, whose shared expert every token g
 behind its sigmoid gate; DeepSeek-V3: multi-head latent attention, a shared expert, a sigmoid router
 with a correction bias and group-limited top-k; GLM-4.5: that router under GQA attention), and for
 Qwen3.5's hybrids (gated-DeltaNet layers, served in fp32 by asyncrl's torch core:
-vllm_compat.torch_gdn_core), one engine and one trainer each (`synced`): the engine's routes are HF's
+vllm_compat.torch_gdn_core), and for Gemma 3's text model (a sliding-window layer, a window shorter than
+the prompts), one engine and one trainer each (`synced`): the engine's routes are HF's
 router top-k, and its greedy logprobs equal the trainer's at the checkpoint and again after the
 weights of a train step (with the engine's routes replayed) were loaded into it.
 """
@@ -328,13 +329,14 @@ def test_routes_extend_only_past_the_positions_held():
 
 # One engine case per router kind beside qwen3_moe's (`run`: softmax, top-k renormalised): Qwen2-MoE's
 # (not renormalised, a gated shared expert), DeepSeek-V3's (sigmoid, bias, groups; MLA); and Qwen3.5's
-# hybrid, whose gated-DeltaNet layers keep a state per request (prefills, then decodes from it). mixtral
+# hybrid, whose gated-DeltaNet layers keep a state per request (prefills, then decodes from it); Gemma 3's
+# local layers, each query seeing a window of keys shorter than the prompts (dense: no routes). mixtral
 # (qwen3_moe's kind) and mistral (dense) were measured once with these tests: docs/models.md.
 # DeepSeek-V3's attention is the kernel choice vLLM-CPU makes by CPU feature (AMX): its case runs with
 # the other CPU's choices too (engine.cpu_amx: "assume" an AMX CPU's here, "off" on an AMX CPU), so that
 # a green suite on either kind of machine is green on both.
 SYNC_CASES = [("qwen2_moe", "auto"), ("deepseek_v3", "auto" if cpu_has_amx() else "assume"), ("glm4_moe", "auto"),
-              ("qwen3_5", "auto"), ("qwen3_5_moe", "auto")] + \
+              ("qwen3_5", "auto"), ("qwen3_5_moe", "auto"), ("gemma3_text", "auto")] + \
     ([("deepseek_v3", "off")] if cpu_has_amx() else [])
 
 
