@@ -21,7 +21,8 @@ Qwen3.5's hybrids (gated-DeltaNet layers, served in fp32 by asyncrl's torch core
 vllm_compat.torch_gdn_core), and for Gemma 3's text model (a sliding-window layer, a window shorter than
 the prompts), one engine and one trainer each (`synced`): the engine's routes are HF's
 router top-k, and its greedy logprobs equal the trainer's at the checkpoint and again after the
-weights of a train step (with the engine's routes replayed) were loaded into it.
+weights of a train step (with the engine's routes replayed) were loaded into it (Gemma 3's: a LoRA
+step's adapters, synced as a vLLM adapter).
 """
 
 from __future__ import annotations
@@ -349,6 +350,7 @@ def synced(request, ray_cluster, tmp_path_factory) -> dict:
     from asyncrl.actors import create_trainer
     from asyncrl.config.models import checkpoint_model_type
     from asyncrl.config.schema import MOE_MODEL_TYPES
+    from asyncrl.control.weight_sync import WeightSync
     from asyncrl.run_config import load_config
     from tests.trainer_probes import ProbedTrainerRank
 
@@ -357,6 +359,11 @@ def synced(request, ray_cluster, tmp_path_factory) -> dict:
     moe = checkpoint_model_type(str(path)) in MOE_MODEL_TYPES  # (qwen3_5_moe's is qwen3_5_moe_text)
     overrides = ("algorithm.routing_replay=r3",) if moe else ()
     overrides += (f"engine.cpu_amx={amx}",)
+    # Gemma 3's case trains LoRA adapters (on o_proj / down_proj: before Gemma's output norms) and syncs
+    # them as a sync does, the engine serving them as a vLLM LoRA adapter
+    lora = arch == "gemma3_text"
+    overrides += ("trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=1e-2",
+                  "algorithm.pause_mode=abort") if lora else ()
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     out = {"arch": arch, "moe": moe}
     with ray_engines(path, 1, first_id=330, overrides=overrides) as [engine]:
@@ -370,8 +377,14 @@ def synced(request, ray_cluster, tmp_path_factory) -> dict:
             group = TrajectoryGroup("g", "g", [trajectory(p, r, "g", float(i))
                                                for i, (p, r) in enumerate(zip(PROMPTS, out["before"]))])
             out["metrics"] = trainer.train_step([group], 0).metrics
-            trained = load_file(f"{trainer.export_hf(str(tmp_path_factory.mktemp(f'sync_{arch}')))}/model.safetensors")
-            ray.get(engine.load_weights.remote(trained, 1))
+            if lora:
+                sync = WeightSync.of(cfg, trainer, [engine])
+                sync.connect()
+                assert sync.sync(version=1, pause_mode="abort").load_paths == ["adapter"]
+            else:
+                trained = load_file(f"{trainer.export_hf(str(tmp_path_factory.mktemp(f'sync_{arch}')))}"
+                                    "/model.safetensors")
+                ray.get(engine.load_weights.remote(trained, 1))
             out["after"] = [greedy(engine, p, f"sync-{arch}-b{i}") for i, p in enumerate(PROMPTS)]
             seqs = [p + r.token_ids for p, r in zip(PROMPTS, out["after"])]
             out["logits_after"] = trainer.on_ranks(lambda r: r.forward_logits.remote(seqs))
