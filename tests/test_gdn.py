@@ -65,6 +65,24 @@ def test_the_packed_delta_rule_is_hfs_on_each_sequence_alone():
     assert torch.equal(second, packed[cu[1]:cu[2]])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="flash-linear-attention's kernel runs on CUDA, where it is installed")
+def test_flash_linear_attentions_varlen_kernel_is_the_torch_rule_on_cuda():
+    """On a GPU with flash-linear-attention, the trainer's DeltaNet runs its varlen kernel
+    (trainer/gdn.packed_rule): outputs and gradients as the torch rule's within fp32 rounding."""
+    from asyncrl.trainer.gdn import packed_rule
+
+    cu, inputs = _row(LENGTHS, dk=64, dv=64)
+    on_gpu = [x.detach().cuda().requires_grad_() for x in inputs]
+    ours, ref = packed_rule(*on_gpu, cu), packed_chunk_gated_delta_rule(*inputs, cu)
+    assert (ours.cpu() - ref).abs().max() < 1e-3
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((ours * weights.cuda()).sum(), on_gpu)
+    want = torch.autograd.grad((ref * weights).sum(), inputs)
+    for name, a, b in zip("q k v g beta".split(), got, want):
+        assert (a.cpu() - b).abs().max() <= 1e-2 * max(1.0, b.abs().max().item()), name
+
+
 def test_a_prompt_continued_from_a_state_and_then_decoded_is_hfs():
     """What a serving engine does with it: each sequence of a packed prefill starts from a state of
     its own and hands back its final state (HF's chunked rule with initial_state on each sequence

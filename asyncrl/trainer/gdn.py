@@ -3,10 +3,14 @@ slot, over the trainer's packed rows (batch.py). megatron-core 0.16.1's GatedDel
 packed rows ("GDN does not support packed sequence for now") and needs flash-linear-attention's
 Triton kernels, and transformers' torch fallback drops `cu_seqlens` (its state would leak across
 sequences); the rule over packed sequences is asyncrl/ops/gated_delta_rule.py, which the vLLM-CPU
-engine runs too.
+engine runs too. On CUDA, where flash-linear-attention is installed (~=0.4.0, the version
+megatron-core 0.16.1's `dev` extra pins), its varlen Triton kernel runs the rule instead
+(`chunk_gated_delta_rule(..., cu_seqlens=...)`: every sequence from a zero state, one call a row).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +21,33 @@ from asyncrl.ops.gated_delta_rule import (
     packed_chunk_gated_delta_rule,
     repeat_key_heads,
 )
+
+
+@cache
+def fla_rule():
+    """flash-linear-attention's chunked gated delta rule (its public op, with autograd), or None where
+    it is not installed (it needs Triton on CUDA)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or no Triton / CUDA to import it with
+        return None
+    return chunk_gated_delta_rule
+
+
+def packed_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu: list[int], cu_device: torch.Tensor | None = None) -> torch.Tensor:
+    """The rule within each sequence of a packed row ([T, H, D] each; ops.gated_delta_rule's
+    contract): flash-linear-attention's varlen kernel on CUDA where installed, else asyncrl's torch
+    form. `cu_device`: the boundaries on q's device, if the caller has them."""
+    kernel = fla_rule() if q.is_cuda else None
+    if kernel is None:
+        return packed_chunk_gated_delta_rule(q, k, v, g, beta, cu)
+    if cu_device is None or cu_device.device != q.device:
+        cu_device = torch.tensor(cu, device=q.device)
+    # batch of one row, [1, T, H, D]; q and k l2-normalised and q scaled by Dk^-0.5 in the kernel, as ours
+    out, _ = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None], cu_seqlens=cu_device.long(),
+                    use_qk_l2norm_in_kernel=True)
+    return out[0].to(v.dtype)
 
 
 class GatedRMSNorm(torch.nn.Module):
@@ -91,7 +122,7 @@ class PackedGatedDeltaNet(torch.nn.Module):
         q, k, v = q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), v.reshape(-1, nv, dv)
         g, beta = gdn_gating(self.A_log, a, b, self.dt_bias)
         q, k = repeat_key_heads(q, k, nv)
-        core = packed_chunk_gated_delta_rule(q, k, v, g, beta, cu)
+        core = packed_rule(q, k, v, g, beta, cu, packed_seq_params.cu_seqlens_q)
         weight = copy_to_tensor_model_parallel_region(self.out_norm.weight)  # shared by the ranks' heads
         core = self.out_norm(core.reshape(-1, dv), z.reshape(-1, dv), weight).reshape(-1, nv * dv)
         return reduce_from_tensor_model_parallel_region(F.linear(core, self.out_proj.weight)).unsqueeze(1), None
