@@ -6,7 +6,8 @@ Each family carries the features of its real configs that change the conversion 
 (docs/models.md): qwen2 — grouped-query attention (4 heads over 2 KV heads), QKV bias,
 untied output layer; qwen3 — QK-norm, no attention bias, an explicit head_dim (64, so
 heads x head_dim != hidden), untied; llama — llama3 rope scaling, grouped-query attention,
-untied; mistral — Llama's architecture under its own model_type, no sliding window, GQA, untied;
+untied; mistral — Llama's architecture under its own model_type, a sliding window on every layer
+(Mistral-7B-v0.1's), GQA, untied;
 qwen3_moe — 8 experts, top-2, top-k probabilities renormalised, QK-norm; mixtral — 8 experts,
 top-2 (always renormalised), HF's block_sparse_moe names; qwen2_moe — 8 routed experts, top-2 NOT
 renormalised (Qwen1.5/Qwen2-MoE's setting), a shared expert (MLP 128) behind its sigmoid gate,
@@ -79,8 +80,8 @@ FEATURES = {
     "qwen2": "GQA 4 heads / 2 KV heads, head_dim 32, QKV bias, untied",
     "qwen3": "QK-norm, no attention bias, head_dim 64 (heads x head_dim = 256 != hidden 128), GQA, untied",
     "llama": "llama3 rope scaling (factor 8, low/high_freq_factor 1/4, original context 64), GQA, untied",
-    "mistral": "Llama's layers under `model_type: mistral` (mbridge's LLaMA bridge), no sliding window, GQA, "
-               "head_dim 32, untied",
+    "mistral": "Llama's layers under `model_type: mistral` (mbridge's LLaMA bridge), Mistral-7B-v0.1's sliding "
+               "window on every layer (16 tokens), GQA, head_dim 32, untied",
     "qwen3_moe": "8 experts, top-2, norm_topk_prob, QK-norm, GQA, untied",
     "mixtral": "8 experts, top-2 renormalised (softmax of the top-2 logits), HF's `block_sparse_moe` names, GQA, "
                "untied",
@@ -138,8 +139,9 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int) -> PreTrainedConfig:
                               mlp_only_layers=[], router_aux_loss_coef=0.001,
                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if arch == "mistral":
-        # Mistral-7B-v0.3's layout (v0.1's 4096-token sliding window is refused: docs/models.md).
-        return MistralConfig(**common, head_dim=32, sliding_window=None,
+        # Mistral-7B-v0.1's layout: a sliding window on every layer (4096 there; here shorter than the
+        # tests' rows, so it changes the logits)
+        return MistralConfig(**common, head_dim=32, sliding_window=16,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if arch == "mixtral":
         # Mixtral-8x7B's layout: every layer sparse, 8 experts, top-2, softmax over the top-2's logits.

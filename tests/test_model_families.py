@@ -1,6 +1,7 @@
 """Model families beyond the base Qwen2 (docs/models.md): tiny random checkpoints built by
 scripts/build_tiny_model.py (qwen2 with GQA, QKV bias, untied; qwen3 with QK-norm and head_dim 64;
-llama with llama3 rope scaling; mistral, Llama's layers under its own model_type; qwen3_moe,
+llama with llama3 rope scaling; mistral, Llama's layers under its own model_type with Mistral-7B-v0.1's
+sliding window on every layer; qwen3_moe,
 mixtral, qwen2_moe and deepseek_v3 with 8 experts, top-2, renormalised or not, qwen2_moe with a
 gated shared expert, deepseek_v3 with multi-head latent attention, a shared expert and a sigmoid
 router with a correction bias and group-limited top-k; glm4_moe, that router under GQA attention with a
@@ -134,7 +135,7 @@ def test_build_is_deterministic_and_carries_each_familys_features(tiny_models, t
     raw = {arch: json.loads((path / "config.json").read_text()) for arch, path in tiny_models.items()}
     assert "head_dim" not in raw["mixtral"] and "head_dim" not in raw["mistral"] and raw["mixtral"]["rope_theta"] == 1e6
     assert raw["llama"]["rope_scaling"]["rope_type"] == "llama3" and "rope_parameters" not in raw["llama"]
-    assert read_model_config(str(tiny_models["mistral"])).sliding_window is None
+    assert read_model_config(str(tiny_models["mistral"])).sliding_window == 16  # v0.1's window, on every layer
     assert read_model_config(str(tiny_models["qwen2_moe"])).norm_topk_prob is False  # the full softmax's
     assert {"model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.self_attn.q_a_layernorm.weight",
             "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.shared_experts.up_proj.weight",
@@ -204,6 +205,9 @@ def test_features_the_conversion_does_not_cover_are_refused():
     ok = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=320)
     assert model_config_problems(LlamaConfig(**ok), tp_size=2) == []
     assert model_config_problems(MistralConfig(**ok, sliding_window=None), tp_size=2) == []
+    # Mistral-7B-v0.1's window (MistralConfig's default 4096) and Mixtral's, every layer's: built
+    assert model_config_problems(MistralConfig(**ok), tp_size=2) == []
+    assert model_config_problems(MixtralConfig(**ok, sliding_window=32), tp_size=2) == []
     yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
     cases = {
         "rope_type 'yarn'": LlamaConfig(**ok, rope_parameters=yarn),
@@ -211,8 +215,6 @@ def test_features_the_conversion_does_not_cover_are_refused():
         "mlp_bias": LlamaConfig(**ok, mlp_bias=True),
         "hidden_act": LlamaConfig(**ok, hidden_act="gelu"),
         "sliding-window": Qwen2Config(**ok, use_sliding_window=True, sliding_window=32, max_window_layers=0),
-        "sliding_window=4096": MistralConfig(**ok),  # Mistral-7B-v0.1's, and MistralConfig's default
-        "sliding_window=32": MixtralConfig(**ok, sliding_window=32),
     }
     moe = dict(ok, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     # the router's softmax goes before or after its top-k to match either (hf_bridge.renormalises_top_k)
@@ -336,8 +338,7 @@ PUBLISHED["gemma-3-4b-it"] = dict(architectures=["Gemma3ForConditionalGeneration
                                   text_config={**TINY_SIZES, "head_dim": 16})
 PUBLISHED["Qwen3.5-MoE (vision-language)"] = dict(architectures=["Qwen3_5MoeForConditionalGeneration"],
                                                   model_type="qwen3_5_moe", text_config={"head_dim": 16})
-REFUSED = {"Mistral-7B-v0.1": ["sliding_window=4096"],
-           "DeepSeek-V3": ["rope_type 'yarn'", "a quantized checkpoint (quantization_config: fp8"],
+REFUSED = {"DeepSeek-V3": ["rope_type 'yarn'", "a quantized checkpoint (quantization_config: fp8"],
            "Qwen3 with head_dim null": ["does not load in transformers 5", "'head_dim' expected int, got NoneType"],
            "Qwen3.5 (vision-language)": ["'qwen3_5' is not supported", "model_type qwen3_5_text"],
            "Qwen3.5-MoE (vision-language)": ["'qwen3_5_moe' is not supported", "model_type qwen3_5_moe_text"],
@@ -363,6 +364,7 @@ def test_published_configs_load_or_are_refused_in_one_line(tmp_path):
         assert rope_parameters(hf)["rope_theta"] == hf.rope_theta, name  # (Gemma 3's: its global layers')
     assert read_model_config(str(tmp_path / "Llama-3.2-1B")).rope_parameters["rope_type"] == "llama3"
     assert read_model_config(str(tmp_path / "Qwen2.5-0.5B")).sliding_window is None  # unused: no window applied
+    assert read_model_config(str(tmp_path / "Mistral-7B-v0.1")).sliding_window == 4096  # applied on every layer
     gemma = read_model_config(str(tmp_path / "gemma-3-4b (text)"))  # one global layer in six; rope bases per kind
     assert gemma.layer_types == ["sliding_attention"]  # (one layer here)
     assert gemma.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000}

@@ -15,7 +15,7 @@ from asyncrl.config.schema import MOE_MODEL_TYPES, Config
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers (hf_bridge)
+DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers, a window (hf_bridge)
 QWEN3_5_TEXT = "qwen3_5_text"  # Qwen3.5's text model: gated DeltaNet + gated attention (trainer/qwen3_5.py)
 QWEN3_5_MOE_TEXT = "qwen3_5_moe_text"  # the same layers with Qwen2-MoE's experts (a gated shared one)
 HYBRID_MODEL_TYPES = (QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
@@ -68,12 +68,9 @@ def model_config_problems(hf: PreTrainedConfig, tp_size: int) -> list[str]:
     else:
         if getattr(hf, "hidden_act", "silu") != "silu":
             problems.append(f"hidden_act {hf.hidden_act!r} (only silu)")
+        # (Mistral's and Mixtral's `sliding_window`, every layer's whenever set, is built: hf_bridge)
         if getattr(hf, "use_sliding_window", False) or "sliding_attention" in (getattr(hf, "layer_types", None) or []):
             problems.append("sliding-window attention")
-        elif hf.model_type in ("mistral", "mixtral") and getattr(hf, "sliding_window", None) is not None:
-            # HF's Mistral and Mixtral apply `sliding_window` whenever it is set (no flag, no layer_types);
-            # the trainer's packed attention has a window for Gemma 3's layers only.
-            problems.append(f"sliding-window attention (sliding_window={hf.sliding_window}; only null is supported)")
     if hf.model_type in ("qwen3", "llama", "deepseek_v3") and getattr(hf, "attention_bias", False):
         # HF adds an o_proj bias too; mbridge maps only the QKV one and would drop it silently.
         problems.append("attention_bias=true")

@@ -14,8 +14,8 @@ of size L x L exists on any path:
 - CPU: `scaled_dot_product_attention` per sequence (its CPU flash kernel; exact against
   HF's eager attention within fp32 rounding).
 
-A layer with a sliding window (Gemma 3's local layers: each query sees its `window` latest
-keys, itself included, as HF's `sliding_window`) passes the window to `varlen_attn`; per
+A layer with a sliding window (Gemma 3's local layers, each of Mistral-7B-v0.1's: each query sees
+its `window` latest keys, itself included, as HF's `sliding_window`) passes the window to `varlen_attn`; per
 sequence, a sequence longer than the window runs in blocks of up to 512 queries, each against
 the keys its queries can see (block + window - 1), so memory grows with tokens x window, not
 tokens squared.
@@ -123,6 +123,19 @@ def _varlen_attn(query, key, value, cu: torch.Tensor, max_seqlen: int, scale: fl
     return varlen_attn(query, key, value, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
 
+def config_window(config) -> int | None:
+    """megatron's one window for every layer (`config.window_size`, flash-attention's (left, right):
+    Mistral's (W - 1, 0)) as the keys a query sees, W; None: no window."""
+    if config.window_size is None:
+        return None
+    left, right = config.window_size
+    if right != 0 or getattr(config, "window_attn_skip_freq", None) is not None:
+        raise ValueError(f"config.window_size {config.window_size}, window_attn_skip_freq "
+                         f"{getattr(config, 'window_attn_skip_freq', None)}: the packed attention takes a causal "
+                         "window for every layer, or a layer spec's window per layer")
+    return None if left < 0 else left + 1
+
+
 class PackedAttention(torch.nn.Module):
     """Megatron's core-attention interface (as `DotProductAttention`) over THD packed rows."""
 
@@ -132,12 +145,11 @@ class PackedAttention(torch.nn.Module):
                  v_channels: int | None = None, window: int | None = None):
         # k_channels / v_channels: multi-head latent attention's head dims (its softmax_scale is given);
         # the shapes of q, k and v carry them. window: this layer's sliding window (a layer spec's
-        # parameter: megatron's config has one window for all layers)
+        # parameter, Gemma 3's); None: the config's window for every layer (Mistral's), if any
         super().__init__()
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs Transformer Engine's attention")
-        if config.window_size is not None:
-            raise ValueError("config.window_size: the packed attention takes a window per layer (its `window`)")
+        window = config_window(config) if window is None else window
         if window is not None and window < 1:
             raise ValueError(f"sliding window {window}: must be at least 1")
         self.config, self.window = config, window

@@ -19,8 +19,9 @@ that reach into mbridge's or megatron's private API through mbridge_compat.py):
   of the process: each bridge gets its own output-layer mapping;
 - `Bridge.get_model` moves modules with `.cuda()`: `build_gpt_model` builds from its
   model provider instead;
-- it has no Mistral bridge: Mistral is Llama's architecture under another model_type (without a
-  sliding window, which is refused), so "mistral" is registered to its LLaMA bridge;
+- it has no Mistral bridge: Mistral is Llama's architecture under another model_type (with
+  Mistral-7B-v0.1's sliding window on every layer: megatron's `window_size`), so "mistral" is
+  registered to its LLaMA bridge;
 - its MoE bridges fix where the router's softmax goes (Mixtral's before the top-k, which skips the
   renormalisation HF's Mixtral router does); `renormalises_top_k` sets it from the HF config;
 - its Qwen2-MoE bridge maps the shared expert's gate but does not ask megatron to build it:
@@ -180,6 +181,10 @@ def load_bridge(model_path: str, dtype: torch.dtype, use_te: bool, cpu: bool, ro
         bridge.set_extra_args(moe_router_pre_softmax=not renormalises_top_k(hf))
     if hf.model_type in ("qwen2_moe", QWEN3_5_MOE_TEXT):  # sigmoid(x . gate) scales the shared expert, as HF's
         bridge.set_extra_args(moe_shared_expert_gate=True)
+    if hf.model_type in ("mistral", "mixtral") and getattr(hf, "sliding_window", None) is not None:
+        # HF and vLLM apply Mistral's window on every layer whenever it is set: W keys, the query's own
+        # included (megatron's window in flash-attention's terms; TE and the packed attention read it)
+        bridge.set_extra_args(window_size=(hf.sliding_window - 1, 0))
     if hf.model_type == "deepseek_v3":
         deepseek_v3_settings(bridge, hf, use_te)
     if hf.model_type == "glm4_moe":
