@@ -83,10 +83,21 @@ def test_a_windowed_layer_makes_no_tensor_larger_than_its_inputs():
     assert watch.largest <= bound, watch.largest
 
 
-def test_a_window_below_one_is_refused():
+def test_the_window_comes_from_the_layer_spec_or_megatrons_config():
+    """Gemma 3's layers give their own window; Mistral's model-wide one is megatron's window_size in
+    flash-attention's terms, (W - 1, 0)."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(context_parallel_size=1, window_size=None, kv_channels=16,
-                             apply_query_key_layer_scaling=False, attention_dropout=0.0)
+    def config(window_size=None, skip=None):
+        return SimpleNamespace(context_parallel_size=1, window_size=window_size, window_attn_skip_freq=skip,
+                               kv_channels=16, apply_query_key_layer_scaling=False, attention_dropout=0.0)
+
+    assert attention.PackedAttention(config(), 1, None, "self").window is None
+    assert attention.PackedAttention(config(), 1, None, "self", window=16).window == 16
+    assert attention.PackedAttention(config((15, 0)), 1, None, "self").window == 16
+    assert attention.PackedAttention(config((-1, 0)), 1, None, "self").window is None
     with pytest.raises(ValueError, match="sliding window 0: must be at least 1"):
-        attention.PackedAttention(config, 1, None, "self", window=0)
+        attention.PackedAttention(config(), 1, None, "self", window=0)
+    for bad in (config((15, 2)), config((15, 0), skip=4)):  # keys after the query; windows on some layers
+        with pytest.raises(ValueError, match="the packed attention takes a causal window for every layer"):
+            attention.PackedAttention(bad, 1, None, "self")
