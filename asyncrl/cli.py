@@ -8,6 +8,7 @@
     asyncrl serve-env --config FILE --port 8765   # agents over HTTP for remote rollouts
     asyncrl simulate SCENARIO [key=value ...]     # asyncrl bench simulate recipe=SCENARIO ...
     asyncrl calibrate RECIPE [key=value ...]      # asyncrl bench calibrate recipe=RECIPE ...
+    asyncrl text-model SRC DST                    # a Qwen3.5 / Gemma 3 VL checkpoint's text model
 
 Everything after the subcommand goes to Hydra, so its flags work too:
 `--cfg job` prints the resolved config (validated first), `--help` lists the config groups.
@@ -31,6 +32,8 @@ COMMANDS = {
     "bench": ("asyncrl.bench.main", "benchmarks: `asyncrl bench rollout | weight-sync | sync-vs-async | ...`"),
     "simulate": ("asyncrl.bench.main", "a scenario on simulated backends: `asyncrl simulate sim_math7b_128gpu`"),
     "calibrate": ("asyncrl.bench.main", "measure this machine into a scenario: `asyncrl calibrate chain_sum_cot`"),
+    "text-model": ("asyncrl.config.text_model",
+                   "the text model of a vision-language checkpoint: `asyncrl text-model SRC DST` (Qwen3.5, Gemma 3)"),
 }
 # `asyncrl simulate SCENARIO ...` = `asyncrl bench simulate recipe=SCENARIO ...`; likewise calibrate.
 RECIPE_BENCHES = {"simulate": "SCENARIO: conf/recipe/sim_*.yaml", "calibrate": "RECIPE: conf/recipe/*.yaml"}

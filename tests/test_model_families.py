@@ -394,6 +394,68 @@ def test_what_is_not_built_for_qwen3_5_or_gemma3_is_refused_at_validation_in_one
         "trainer.pipeline_parallel_size=2: gemma3_text's layer spec is built for one pipeline stage"]
 
 
+def _tiny_vision_language_models() -> dict:
+    """Random Qwen3.5 and Gemma 3 vision-language models (their text models the tiny ones' shapes;
+    Qwen3.5's text rope with its published 3-D sections)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.gemma3 import Gemma3ForConditionalGeneration
+
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    qwen_text = builder.tiny_config("qwen3_5", 320, 256).to_dict()
+    qwen_text["rope_parameters"] = {**qwen_text["rope_parameters"], "mrope_section": [2, 1, 1],
+                                    "mrope_interleaved": True}
+    gemma_text = builder.tiny_config("gemma3_text", 320, 256).to_dict()
+    models = {
+        "qwen3_5": Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+            text_config=qwen_text, vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2,
+                                                      out_hidden_size=128))),
+        "gemma3": Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=gemma_text, mm_tokens_per_image=4, vision_config=dict(
+                hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                patch_size=14))),
+    }
+    for seed, model in enumerate(models.values()):  # the language model's weights as the tiny ones'
+        builder.randomise(model.model.language_model, seed)
+        if not model.config.tie_word_embeddings:
+            builder.randomise(model.lm_head, seed)
+    return models
+
+
+def test_the_text_model_of_a_vision_language_checkpoint_computes_what_it_computes_on_text(tmp_path):
+    """`asyncrl text-model SRC DST` (asyncrl/config/text_model.py) on Qwen3.5's and Gemma 3's
+    vision-language checkpoints, sharded (Gemma 3's in its published names): the text model's logits
+    on text are the vision-language model's, bit for bit, and it is a checkpoint the trainer takes."""
+    from asyncrl.config.models import model_problem
+
+    ids = torch.tensor(TOKEN_IDS)
+    for name, vl in _tiny_vision_language_models().items():
+        source, target = tmp_path / name, tmp_path / f"{name}_text"
+        vl.eval().save_pretrained(source, max_shard_size="300KB")
+        assert (source / "model.safetensors.index.json").exists()
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (source / f).write_bytes((REPO / "recipes" / "arith" / "base_model" / f).read_bytes())
+        with pytest.raises(ValueError, match=f"'{name}' is not supported .* `asyncrl text-model SRC DST` writes"):
+            read_model_config(str(source))
+        out = run_cli("text-model", str(source), str(target), cwd=tmp_path, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert model_problem(str(target), tp_size=2) is None
+        text = AutoModelForCausalLM.from_pretrained(target).eval()
+        assert type(text).__name__ == {"qwen3_5": "Qwen3_5ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[name]
+        assert not any("visual" in k or "vision" in k for k in load_file_names(target))
+        with torch.no_grad():
+            assert torch.equal(text(ids).logits, vl(ids).logits)
+        assert AutoTokenizer.from_pretrained(target)("1 + 2").input_ids == AutoTokenizer.from_pretrained(
+            source)("1 + 2").input_ids
+    out = run_cli("text-model", str(tmp_path / "qwen3_5_text"), str(tmp_path / "again"), cwd=tmp_path, timeout=60)
+    assert out.returncode == 1 and "model_type 'qwen3_5_text' is not a vision-language model" in out.stderr
+
+
+def load_file_names(path: Path) -> set[str]:
+    return {k for f in path.glob("*.safetensors") for k in load_file(f)}
+
+
 def test_rope_frequencies_given_to_megatron_are_hfs(tiny_models):
     """The llama3 frequencies come from HF's own rope code (megatron fixes the original context to 8192)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config.schema import MOE_MODEL_TYPES, Config
+from asyncrl.config.text_model import TEXT_MODELS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -25,16 +26,12 @@ OWN_LAYER_MODEL_TYPES = (*HYBRID_MODEL_TYPES, GEMMA3_TEXT)
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, GEMMA3_TEXT, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
 # Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
 UNSUPPORTED_WHY = {
-    "gemma3": "the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type "
-              "gemma3_text (Gemma3ForCausalLM)",
+    # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
+    "qwen3_next": "its gated-DeltaNet layers are built for Qwen3.5's text models (qwen3_5_text, qwen3_5_moe_text), "
+                  "not Qwen3-Next's interleaved projections",
+    **{vl: f"the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type {text} "
+           f"({arch}), which `asyncrl text-model SRC DST` writes" for vl, (text, arch) in TEXT_MODELS.items()},
 }
-# Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
-UNSUPPORTED_WHY["qwen3_next"] = ("its gated-DeltaNet layers are built for Qwen3.5's text models (qwen3_5_text, "
-                                 "qwen3_5_moe_text), not Qwen3-Next's interleaved projections")
-UNSUPPORTED_WHY.update({
-    vl: f"the vision-language checkpoint: the trainer takes its text model, a checkpoint of model_type {text}"
-    for vl, text in (("qwen3_5", "qwen3_5_text (Qwen3_5ForCausalLM)"),
-                     ("qwen3_5_moe", "qwen3_5_moe_text (Qwen3_5MoeForCausalLM)"))})
 # Rope on a part of each head: megatron's rotary_percent (NeoX halves of the first dims, as HF's)
 PARTIAL_ROPE_MODEL_TYPES = (*HYBRID_MODEL_TYPES, "glm4_moe")
 # Rope types whose effect is only a fixed set of frequencies (no attention scaling, no
