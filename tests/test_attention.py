@@ -64,6 +64,27 @@ def test_packed_attention_equals_a_dense_mask_per_sequence(window, monkeypatch):
         torch.testing.assert_close(out.view(61, 2, 2, 16), v.detach()[:, :, None].expand(61, 2, 2, 16))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed attention's CUDA path (varlen_attn)")
+@pytest.mark.parametrize("window", [None, 16])
+def test_the_cuda_kernel_equals_a_dense_mask_per_sequence(window):
+    """On a GPU: bf16 (FlashAttention's dtypes), grouped-query attention (4 query heads on 2 KV heads),
+    causal and windowed, one varlen_attn call for the row, against the dense mask in fp32; gradients too."""
+    assert attention.varlen_kernel(window) == "varlen_attn", "this torch has no varlen_attn with a window"
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 3, 8, 24, 61, 200]
+    inputs = [torch.randn(200, heads, 64, generator=gen) for heads in (4, 2, 2)]
+    on_gpu = [x.to("cuda", torch.bfloat16).requires_grad_() for x in inputs]
+    ref_inputs = [x.to(torch.bfloat16).double().requires_grad_() for x in inputs]
+    out = packed_causal_attention(*on_gpu, cu, max_seqlen=139, scale=0.125, window=window)
+    ref = dense_reference(*ref_inputs, cu, 0.125, window)
+    assert (out.double().cpu() - ref).abs().max() < 2e-2
+    grad = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(out, on_gpu, grad.to("cuda", torch.bfloat16))
+    theirs = torch.autograd.grad(ref, ref_inputs, grad)
+    for a, b in zip(ours, theirs):
+        assert (a.double().cpu() - b).abs().max() < 5e-2 * max(1.0, b.abs().max().item())
+
+
 def test_a_windowed_layer_makes_no_tensor_larger_than_its_inputs():
     """A 2,048-token sequence through a 64-token window, forward and backward: no op returns more
     elements than q, k and v hold together (a block's mask and scores are [heads,] 64 x 127; scores
