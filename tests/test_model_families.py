@@ -450,6 +450,8 @@ def test_the_text_model_of_a_vision_language_checkpoint_computes_what_it_compute
             source)("1 + 2").input_ids
     out = run_cli("text-model", str(tmp_path / "qwen3_5_text"), str(tmp_path / "again"), cwd=tmp_path, timeout=60)
     assert out.returncode == 1 and "model_type 'qwen3_5_text' is not a vision-language model" in out.stderr
+    out = run_cli("text-model", str(tmp_path / "gemma3"), str(tmp_path / "gemma3"), cwd=tmp_path, timeout=60)
+    assert out.returncode == 1 and "goes into another directory than its source" in out.stderr
 
 
 def load_file_names(path: Path) -> set[str]:

@@ -66,6 +66,8 @@ def write_text_model(source: str | Path, target: str | Path) -> Path:
     from safetensors.torch import save_file
 
     source, target = Path(source), Path(target)
+    if target.resolve() == source.resolve():  # its shards would be overwritten while read
+        raise ValueError(f"{target}: the text model goes into another directory than its source")
     raw = json.loads((source / "config.json").read_text())
     if raw.get("model_type") not in TEXT_MODELS:
         raise ValueError(f"{source}: model_type {raw.get('model_type')!r} is not a vision-language model whose text "
@@ -77,7 +79,8 @@ def write_text_model(source: str | Path, target: str | Path) -> Path:
     weight_map, total = {}, 0
     for shard in shards:
         with safe_open(str(source / shard), framework="pt") as f:
-            tensors = {text_name(n): f.get_tensor(n) for n in f.keys() if text_name(n) is not None}
+            names = {n: text_name(n) for n in f.keys()}
+            tensors = {new: f.get_tensor(n) for n, new in names.items() if new is not None}
         if tensors:
             save_file(tensors, str(target / shard), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, shard))
