@@ -16,14 +16,15 @@ from asyncrl.config.text_model import TEXT_MODELS
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")  # mistral: Llama's layers, a window (hf_bridge)
+GEMMA3_TEXT = "gemma3_text"  # Gemma 3's text model: local (sliding-window) and global attention (trainer/gemma3.py)
+# mistral: Llama's layers, a window (hf_bridge)
+DENSE_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", GEMMA3_TEXT)
 QWEN3_5_TEXT = "qwen3_5_text"  # Qwen3.5's text model: gated DeltaNet + gated attention (trainer/qwen3_5.py)
 QWEN3_5_MOE_TEXT = "qwen3_5_moe_text"  # the same layers with Qwen2-MoE's experts (a gated shared one)
 HYBRID_MODEL_TYPES = (QWEN3_5_TEXT, QWEN3_5_MOE_TEXT)
-GEMMA3_TEXT = "gemma3_text"  # Gemma 3's text model: local (sliding-window) and global attention (trainer/gemma3.py)
 # Model types whose layers are asyncrl's own (trainer/qwen3_5.py, trainer/gemma3.py): one pipeline stage
 OWN_LAYER_MODEL_TYPES = (*HYBRID_MODEL_TYPES, GEMMA3_TEXT)
-SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, GEMMA3_TEXT, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys((*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *HYBRID_MODEL_TYPES)))
 # Why some model types users bring are refused, where it is known (docs/models.md); mbridge 0.15.1.
 UNSUPPORTED_WHY = {
     # Qwen3.5 / Qwen3-Next: gated-DeltaNet layers (docs/plans/qwen3_5.md)
@@ -171,7 +172,7 @@ def model_problem(model_path: str, tp_size: int = 1) -> str | None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
         return (f"model type {model_type!r} is not supported by the megatron trainer{why}; supported: "
-                f"{', '.join((*DENSE_MODEL_TYPES, GEMMA3_TEXT))} (dense), "
+                f"{', '.join(DENSE_MODEL_TYPES)} (dense), "
                 f"{', '.join(t for t in MOE_MODEL_TYPES if t not in HYBRID_MODEL_TYPES)} (mixture of experts), "
                 f"{', '.join(HYBRID_MODEL_TYPES)} (linear + full attention); see docs/models.md")
     from huggingface_hub.errors import StrictDataclassError

@@ -75,18 +75,22 @@ def write_text_model(source: str | Path, target: str | Path) -> Path:
     index_file = source / "model.safetensors.index.json"
     shards = (sorted(set(json.loads(index_file.read_text())["weight_map"].values())) if index_file.exists()
               else ["model.safetensors"])
-    target.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
+    renamed = {}  # shard -> {its name: the text model's}, from the shards' headers, before anything is written
     for shard in shards:
         with safe_open(str(source / shard), framework="pt") as f:
-            names = {n: text_name(n) for n in f.keys()}
-            tensors = {new: f.get_tensor(n) for n, new in names.items() if new is not None}
-        if tensors:
-            save_file(tensors, str(target / shard), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, shard))
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if not any(name.startswith("model.embed_tokens.") for name in weight_map):
+            renamed[shard] = {n: text_name(n) for n in f.keys() if text_name(n) is not None}
+    if not any(new.startswith("model.embed_tokens.") for names in renamed.values() for new in names.values()):
         raise ValueError(f"{source}: no language model's tensors under {', '.join(p for p, _ in PREFIXES)}")
+    target.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for shard, names in renamed.items():
+        if not names:
+            continue
+        with safe_open(str(source / shard), framework="pt") as f:
+            tensors = {new: f.get_tensor(n) for n, new in names.items()}
+        save_file(tensors, str(target / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if index_file.exists():
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (target / index_file.name).write_text(json.dumps(index, indent=2) + "\n")

@@ -30,6 +30,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 
+from asyncrl.config.models import rope_parameters
 from asyncrl.trainer.norms import ZeroCenteredRMSNorm
 
 MODEL_TYPE = "gemma3_text"
@@ -90,7 +91,7 @@ def layer_spec(config: Any, hf: Any, vp_stage: int | None = None) -> Any:
     if len(spec.layer_specs) != len(hf.layer_types):
         raise ValueError(f"{MODEL_TYPE}: {len(spec.layer_specs)} layers on this stage of {len(hf.layer_types)}: "
                          "pipeline parallelism is not built for it")
-    local_base = hf.rope_parameters["sliding_attention"]["rope_theta"]
+    local_base = rope_parameters(hf, "sliding_attention")["rope_theta"]
     layers = []
     for layer, kind in zip(spec.layer_specs, hf.layer_types):
         layer = copy.deepcopy(layer)  # the block's layers may share one spec: each layer gets its own

@@ -117,9 +117,8 @@ def hf_rope_inv_freq(hf: PreTrainedConfig) -> torch.Tensor | None:
     rope_type = rope_parameters(hf).get("rope_type", "default")
     if rope_type == "default":
         return None
-    per_layer_type = hf.model_type == GEMMA3_TEXT
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](
-        hf, **({"layer_type": "full_attention"} if per_layer_type else {}))
+    layer_type = {"layer_type": "full_attention"} if hf.model_type == GEMMA3_TEXT else {}  # rope per layer type
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, **layer_type)
     if attention_factor != 1.0:  # SUPPORTED_ROPE_TYPES have none; megatron's rope would not apply it
         raise ValueError(f"rope_type {rope_type!r}: attention scaling {attention_factor} is not supported")
     return inv_freq.float()
